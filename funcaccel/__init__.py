@@ -1,0 +1,38 @@
+"""funcaccel: functional, stateless distributed-training building blocks for PyTorch.
+
+Importing funcaccel starts no process group, reads no environment variable and adds
+no logging handler. Build a ``DistributedContext`` with ``build_context()`` and pass
+it into the functions below.
+"""
+
+from __future__ import annotations
+
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.context import build_context
+from funcaccel.context import close_context
+from funcaccel.context import context_from_env
+from funcaccel.kwargs import AutocastKwargs
+from funcaccel.kwargs import DDPCommunicationHookType
+from funcaccel.kwargs import DistributedDataParallelKwargs
+from funcaccel.kwargs import GradScalerKwargs
+from funcaccel.kwargs import InitProcessGroupKwargs
+from funcaccel.kwargs import KwargsHandler
+from funcaccel.kwargs import ProfileKwargs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DistributedContext",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "ProfileKwargs",
+    "build_context",
+    "close_context",
+    "context_from_env",
+]

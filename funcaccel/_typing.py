@@ -1,0 +1,30 @@
+"""Shared type aliases and Protocols for duck-typed torch objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from typing import Literal
+from typing import Protocol
+from typing import TypeAlias
+from typing import runtime_checkable
+
+MixedPrecision: TypeAlias = Literal["no", "fp16", "bf16"]
+"""The mixed-precision modes funcaccel supports."""
+
+MIXED_PRECISION_MODES: tuple[MixedPrecision, ...] = ("no", "fp16", "bf16")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with torch's ``state_dict`` / ``load_state_dict`` pair."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> Any: ...
+
+
+class SupportsStep(Protocol):
+    """Anything stepped like a torch LR scheduler."""
+
+    def step(self) -> None: ...

@@ -1,0 +1,57 @@
+"""Shared pytest configuration: Hypothesis profiles and leak checks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck
+from hypothesis import settings
+
+settings.register_profile(
+    "default",
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "ci", parent=settings.get_profile("default"), derandomize=True
+)
+settings.register_profile(
+    "thorough", parent=settings.get_profile("default"), max_examples=2000
+)
+settings.load_profile(os.environ.get("FUNCACCEL_HYPOTHESIS_PROFILE", "default"))
+
+
+def _environment() -> dict[str, str]:
+    # pytest itself sets PYTEST_CURRENT_TEST around every test phase.
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_environment() -> Iterator[None]:
+    """Fail a test that changes os.environ (funcaccel never writes it)."""
+    before = _environment()
+    yield
+    after = _environment()
+    if after != before:
+        changed = sorted(
+            k for k in set(before) | set(after) if before.get(k) != after.get(k)
+        )
+        for key in changed:
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+        pytest.fail(f"the test changed environment variables: {changed}")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group() -> Iterator[None]:
+    """Fail a test that leaves a default process group initialised."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left the default process group initialised")
