@@ -355,6 +355,15 @@ SCHEDULE_KEYS: Final[tuple[str, ...]] = (
 )
 
 
+def supported_activities() -> set[torch.profiler.ProfilerActivity]:
+    """Return the profiler activities the running torch can record on this machine."""
+    # torch ships this function without annotations; bind it to a typed name.
+    supported: Callable[[], set[torch.profiler.ProfilerActivity]] = (
+        torch.profiler.supported_activities
+    )
+    return supported()
+
+
 def profiler_activity(name: str) -> torch.profiler.ProfilerActivity:
     """Map an activity name to the running torch's ``ProfilerActivity``.
 
@@ -362,10 +371,6 @@ def profiler_activity(name: str) -> torch.profiler.ProfilerActivity:
         ValueError: the running torch cannot profile that activity.
     """
     member = getattr(torch.profiler.ProfilerActivity, name.upper(), None)
-    # torch ships this function without annotations; bind it to a typed name.
-    supported_activities: Callable[[], set[torch.profiler.ProfilerActivity]] = (
-        torch.profiler.supported_activities
-    )
     supported = supported_activities()
     if (
         not isinstance(member, torch.profiler.ProfilerActivity)

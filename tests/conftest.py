@@ -25,9 +25,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("FUNCACCEL_HYPOTHESIS_PROFILE", "default"))
 
 
+# Variables written by the tools, not by funcaccel: pytest sets PYTEST_CURRENT_TEST
+# around every test phase, and torch's profiler sets TORCHINDUCTOR_CACHE_DIR the
+# first time a profiler starts in a process.
+_SET_BY_TOOLS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+
+
 def _environment() -> dict[str, str]:
-    # pytest itself sets PYTEST_CURRENT_TEST around every test phase.
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    return {k: v for k, v in os.environ.items() if k not in _SET_BY_TOOLS}
 
 
 @pytest.fixture(autouse=True)
