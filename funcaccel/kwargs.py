@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from datetime import timedelta
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 from typing import ClassVar
 from typing import Final
@@ -132,17 +133,19 @@ _WRAPPERS: Final = frozenset(
 )
 # The keyword arguments of torch's PowerSGDState (besides process_group), with the
 # kind of value each takes: "int" (>= 0), "real" (>= 0) or "bool".
-POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = {
-    "matrix_approximation_rank": "int",
-    "start_powerSGD_iter": "int",
-    "min_compression_rate": "real",
-    "use_error_feedback": "bool",
-    "warm_start": "bool",
-    "orthogonalization_epsilon": "real",
-    "random_seed": "int",
-    "compression_stats_logging_frequency": "int",
-    "batch_tensors_with_same_shape": "bool",
-}
+POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "matrix_approximation_rank": "int",
+        "start_powerSGD_iter": "int",
+        "min_compression_rate": "real",
+        "use_error_feedback": "bool",
+        "warm_start": "bool",
+        "orthogonalization_epsilon": "real",
+        "random_seed": "int",
+        "compression_stats_logging_frequency": "int",
+        "batch_tensors_with_same_shape": "bool",
+    }
+)
 
 
 def _as_hook(owner: str, name: str, value: object) -> DDPCommunicationHookType:

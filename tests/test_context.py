@@ -1,0 +1,489 @@
+"""DistributedContext as a value: hand-built, frozen, from an environment, and real."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import pkgutil
+import subprocess
+import sys
+import types
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import funcaccel
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.context import build_context
+from funcaccel.context import close_context
+from funcaccel.context import context_from_env
+from funcaccel.context import effective_backend
+from funcaccel.context import effective_timeout
+from funcaccel.context import require_process_group
+from funcaccel.kwargs import InitProcessGroupKwargs
+from tests._dist import run_processes
+from tests._dist import run_ranks
+
+
+@given(data=st.data(), num_processes=st.integers(min_value=1, max_value=64))
+def test_a_hand_built_context_describes_any_rank(
+    data: st.DataObject, num_processes: int
+) -> None:
+    rank = data.draw(st.integers(min_value=0, max_value=num_processes - 1))
+    local = data.draw(st.integers(min_value=0, max_value=7))
+    kind = DistributedType.NO if num_processes == 1 else DistributedType.MULTI_CPU
+    ctx = DistributedContext(
+        num_processes=num_processes,
+        process_index=rank,
+        local_process_index=local,
+        distributed_type=kind,
+    )
+    assert ctx.is_main_process == (rank == 0)
+    assert ctx.is_local_main_process == (local == 0)
+    assert ctx.is_last_process == (rank == num_processes - 1)
+    assert ctx.use_distributed == (num_processes > 1)
+    assert ctx.device == torch.device("cpu")
+    assert ctx.mixed_precision == "no"
+
+
+def test_default_context_is_one_cpu_process() -> None:
+    ctx = DistributedContext()
+    assert (ctx.num_processes, ctx.process_index, ctx.local_process_index) == (1, 0, 0)
+    assert ctx.distributed_type is DistributedType.NO
+    assert ctx.backend is None
+    assert ctx.is_main_process and ctx.is_local_main_process and ctx.is_last_process
+
+
+def test_context_is_frozen_and_changed_only_by_replace() -> None:
+    ctx = DistributedContext()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.process_index = 1  # type: ignore[misc]
+    bf16 = dataclasses.replace(ctx, mixed_precision="bf16")
+    assert ctx.mixed_precision == "no" and bf16.mixed_precision == "bf16"
+    with pytest.raises(ValueError, match=r"process_index \(3\) must be in"):
+        dataclasses.replace(ctx, process_index=3)
+
+
+def test_two_contexts_in_one_process_never_affect_each_other() -> None:
+    first = context_from_env(
+        {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}, cpu=True
+    )
+    second = context_from_env({}, cpu=True, mixed_precision="bf16")
+    hand = DistributedContext(
+        num_processes=8, process_index=7, distributed_type=DistributedType.MULTI_CPU
+    )
+    assert (first.num_processes, first.process_index, first.mixed_precision) == (
+        4,
+        1,
+        "no",
+    )
+    assert (second.num_processes, second.mixed_precision) == (1, "bf16")
+    assert hand.is_last_process and not first.is_last_process
+    assert first == context_from_env(
+        {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}, cpu=True
+    )
+    assert hash(first) == hash(
+        context_from_env({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}, cpu=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (
+            {
+                "num_processes": 4,
+                "process_index": 4,
+                "distributed_type": DistributedType.MULTI_CPU,
+            },
+            ValueError,
+            r"DistributedContext: process_index \(4\) must be in \[0, num_processes=4\)",
+        ),
+        ({"num_processes": 0}, ValueError, r"num_processes must be >= 1; got 0"),
+        ({"process_index": -1}, ValueError, r"process_index \(-1\) must be in"),
+        (
+            {"local_process_index": -2},
+            ValueError,
+            r"local_process_index must be >= 0; got -2",
+        ),
+        ({"num_processes": 2.0}, TypeError, r"num_processes must be an int; got 2\.0"),
+        ({"process_index": True}, TypeError, r"process_index must be an int; got True"),
+        ({"device": "cpu"}, TypeError, r"device must be a torch\.device; got 'cpu'"),
+        (
+            {"distributed_type": "NO"},
+            TypeError,
+            r"distributed_type must be a DistributedType",
+        ),
+        (
+            {"mixed_precision": "fp8"},
+            ValueError,
+            r"mixed_precision must be one of 'no', 'fp16', 'bf16'; got 'fp8'",
+        ),
+        ({"backend": 3}, TypeError, r"backend must be a str or None; got 3"),
+        (
+            {"num_processes": 2},
+            ValueError,
+            r"distributed_type is NO but num_processes=2; pass "
+            r"distributed_type=DistributedType\.MULTI_CPU",
+        ),
+        (
+            {"distributed_type": DistributedType.MULTI_CPU},
+            ValueError,
+            r"distributed_type is MULTI_CPU but num_processes=1",
+        ),
+        (
+            {"num_processes": 2, "distributed_type": DistributedType.MULTI_GPU},
+            ValueError,
+            r"MULTI_GPU needs a CUDA device; got device=cpu",
+        ),
+        (
+            {
+                "num_processes": 2,
+                "distributed_type": DistributedType.MULTI_CPU,
+                "device": torch.device("cuda", 0),
+            },
+            ValueError,
+            r"MULTI_CPU needs a CPU device; got device=cuda:0",
+        ),
+    ],
+)
+def test_context_rejects_bad_fields(
+    kwargs: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(error, match=pattern):
+        DistributedContext(**kwargs)
+
+
+def test_a_cuda_context_can_be_built_by_hand_without_a_gpu() -> None:
+    ctx = DistributedContext(
+        num_processes=2,
+        process_index=1,
+        local_process_index=1,
+        device=torch.device("cuda", 1),
+        distributed_type=DistributedType.MULTI_GPU,
+        backend="nccl",
+    )
+    assert ctx.device.type == "cuda" and ctx.is_last_process
+
+
+@pytest.mark.parametrize(
+    "environ", [{}, {"WORLD_SIZE": "1"}, {"WORLD_SIZE": "1", "RANK": "0"}]
+)
+def test_context_from_env_without_a_world_is_one_process(
+    environ: dict[str, str],
+) -> None:
+    ctx = context_from_env(environ, cpu=True)
+    assert ctx == DistributedContext()
+
+
+def test_context_from_env_reads_torchrun_variables() -> None:
+    environ = {
+        "WORLD_SIZE": "4",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    snapshot = dict(environ)
+    ctx = context_from_env(environ, cpu=True, mixed_precision="bf16")
+    assert ctx == DistributedContext(
+        num_processes=4,
+        process_index=3,
+        local_process_index=1,
+        distributed_type=DistributedType.MULTI_CPU,
+        mixed_precision="bf16",
+        backend="gloo",
+    )
+    assert environ == snapshot
+
+
+def test_context_from_env_reads_only_the_mapping_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    ctx = context_from_env(
+        {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, cpu=True
+    )
+    assert (ctx.num_processes, ctx.process_index, ctx.mixed_precision) == (2, 0, "no")
+
+
+def test_context_from_env_honours_a_user_backend() -> None:
+    environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    ctx = context_from_env(
+        environ, cpu=True, init_kwargs=InitProcessGroupKwargs(backend="mpi")
+    )
+    assert ctx.backend == "mpi"
+
+
+@pytest.mark.parametrize(
+    ("environ", "pattern"),
+    [
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"context_from_env: RANK is not set"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, r"context_from_env: LOCAL_RANK is not set"),
+        (
+            {"WORLD_SIZE": "two", "RANK": "0", "LOCAL_RANK": "0"},
+            r"WORLD_SIZE must be an integer; got 'two'",
+        ),
+        (
+            {"WORLD_SIZE": "2", "RANK": "x", "LOCAL_RANK": "0"},
+            r"RANK must be an integer; got 'x'",
+        ),
+        (
+            {"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"},
+            r"invalid context: DistributedContext: process_index \(2\) must be in",
+        ),
+        (
+            {
+                "WORLD_SIZE": "2",
+                "RANK": "1",
+                "LOCAL_RANK": "3",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            r"LOCAL_RANK \(3\) must be in \[0, LOCAL_WORLD_SIZE=2\)",
+        ),
+        (
+            {"WORLD_SIZE": "0", "RANK": "0", "LOCAL_RANK": "0"},
+            r"num_processes must be >= 1",
+        ),
+    ],
+)
+def test_context_from_env_names_a_missing_or_malformed_variable(
+    environ: dict[str, str], pattern: str
+) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        context_from_env(environ, cpu=True)
+
+
+def test_context_from_env_rejects_unknown_mixed_precision() -> None:
+    with pytest.raises(ValueError, match=r"one of 'no', 'fp16', 'bf16'; got 'fp8'"):
+        context_from_env({}, mixed_precision="fp8")  # type: ignore[arg-type]
+
+
+def test_fp16_on_cpu_is_honoured_where_torch_supports_it() -> None:
+    ctx = context_from_env({}, cpu=True, mixed_precision="fp16")
+    assert ctx.mixed_precision == "fp16"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_context_from_env_puts_each_local_rank_on_its_gpu() -> None:
+    count = torch.cuda.device_count()
+    environ = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    ctx = context_from_env(environ)
+    assert ctx.device == torch.device("cuda", 1 % count)
+    assert ctx.distributed_type is DistributedType.MULTI_GPU and ctx.backend == "nccl"
+
+
+def test_effective_backend_and_timeout_follow_the_device() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    default = InitProcessGroupKwargs()
+    assert effective_backend(default, cpu) == "gloo"
+    assert effective_backend(default, cuda) == "nccl"
+    assert effective_backend(InitProcessGroupKwargs(backend="gloo"), cuda) == "gloo"
+    assert effective_backend(InitProcessGroupKwargs(backend=None), cpu) == "gloo"
+    assert effective_timeout(default, "nccl") == timedelta(seconds=600)
+    assert effective_timeout(default, "gloo") == timedelta(seconds=1800)
+    given_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=5))
+    assert effective_timeout(given_timeout, "nccl") == timedelta(seconds=5)
+
+
+def test_build_context_with_one_process_starts_nothing() -> None:
+    ctx = build_context(environ={}, cpu=True)
+    assert ctx == DistributedContext()
+    assert not dist.is_initialized()
+    close_context(ctx)  # a no-op with one process
+    assert not dist.is_initialized()
+
+
+def test_build_context_needs_a_rendezvous_address_for_env_init(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    with pytest.raises(ValueError, match=r"needs MASTER_ADDR and MASTER_PORT"):
+        build_context(environ=environ, cpu=True)
+    assert not dist.is_initialized()
+
+
+def test_require_process_group_refuses_a_missing_group() -> None:
+    ctx = DistributedContext(
+        num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU
+    )
+    with pytest.raises(
+        RuntimeError, match=r"my_function: ctx has num_processes=2 but no"
+    ):
+        require_process_group(ctx, "my_function")
+    require_process_group(DistributedContext(), "my_function")
+
+
+def _build_for_real(rank: int, world_size: int, tmp_path: Path) -> dict[str, object]:
+    environ = {
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+    }
+    kwargs = InitProcessGroupKwargs(
+        init_method=f"file://{tmp_path}/build_rendezvous",
+        timeout=timedelta(seconds=60),
+    )
+    env_before = dict(os.environ)
+    ctx = build_context(environ=environ, cpu=True, init_kwargs=kwargs)
+    try:
+        value = torch.tensor([float(rank + 1)])
+        dist.all_reduce(value)
+        again = build_context(environ=environ, cpu=True, init_kwargs=kwargs)
+        swapped = {**environ, "RANK": str(world_size - 1 - rank)}
+        try:
+            build_context(environ=swapped, cpu=True, init_kwargs=kwargs)
+            mismatch = "no error"
+        except RuntimeError as error:
+            mismatch = str(error)
+        return {
+            "ctx": ctx,
+            "reused_equal": again == ctx,
+            "backend": dist.get_backend(),
+            "world": dist.get_world_size(),
+            "sum": float(value.item()),
+            "mismatch": mismatch,
+            "env_unchanged": dict(os.environ) == env_before,
+        }
+    finally:
+        close_context(ctx)
+        assert not dist.is_initialized()
+        close_context(ctx)
+
+
+@pytest.mark.distributed
+def test_build_context_starts_and_closes_a_real_group(tmp_path: Path) -> None:
+    results = run_processes(_build_for_real, 2, tmp_path)
+    for rank, result in enumerate(results):
+        ctx = result["ctx"]
+        assert isinstance(ctx, DistributedContext)
+        assert (ctx.num_processes, ctx.process_index) == (2, rank)
+        assert (
+            ctx.distributed_type is DistributedType.MULTI_CPU and ctx.backend == "gloo"
+        )
+        assert result["backend"] == "gloo" and result["world"] == 2
+        assert result["sum"] == 3.0
+        assert result["reused_equal"] is True
+        assert "the default process group has world_size=2, rank=" in str(
+            result["mismatch"]
+        )
+        assert result["env_unchanged"] is True
+
+
+def _context_of_worker(ctx: DistributedContext) -> tuple[int, int, bool, bool]:
+    require_process_group(ctx, "test")
+    return (
+        ctx.process_index,
+        ctx.num_processes,
+        ctx.is_main_process,
+        ctx.is_last_process,
+    )
+
+
+@pytest.mark.distributed
+def test_contexts_under_three_real_processes(tmp_path: Path) -> None:
+    assert run_ranks(_context_of_worker, 3, tmp_path) == [
+        (0, 3, True, False),
+        (1, 3, False, False),
+        (2, 3, False, True),
+    ]
+
+
+def _funcaccel_modules() -> list[types.ModuleType]:
+    modules = [funcaccel]
+    for info in pkgutil.iter_modules(funcaccel.__path__, prefix="funcaccel."):
+        if info.name != "funcaccel.__main__":
+            modules.append(importlib.import_module(info.name))
+    return modules
+
+
+_IMMUTABLE = (
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bool,
+    type(None),
+    tuple,
+    frozenset,
+    Enum,
+    timedelta,
+    types.MappingProxyType,
+    torch.dtype,
+    torch.device,
+)
+
+
+def _is_mutable_state(name: str, value: object) -> bool:
+    if name.startswith("__") and name.endswith("__"):
+        return False  # module metadata such as __all__ and __doc__
+    if inspect.ismodule(value) or inspect.isclass(value) or callable(value):
+        return False
+    if type(value).__module__ in {"typing", "typing_extensions", "__future__"}:
+        return False  # TypeVar, ParamSpec, aliases, `from __future__` features
+    return not isinstance(value, _IMMUTABLE)
+
+
+def test_no_module_holds_mutable_state() -> None:
+    offenders = [
+        f"{module.__name__}.{name} ({type(value).__name__})"
+        for module in _funcaccel_modules()
+        for name, value in vars(module).items()
+        if _is_mutable_state(name, value)
+    ]
+    assert offenders == []
+
+
+def test_importing_funcaccel_reads_and_writes_no_environment_and_starts_nothing() -> (
+    None
+):
+    script = """
+import logging, os, sys
+import torch, torch.distributed as dist
+
+reads = []
+original = os.environ
+class Spy(dict):
+    def __getitem__(self, key):
+        reads.append(key); return original[key]
+    def get(self, key, default=None):
+        reads.append(key); return original.get(key, default)
+    def __contains__(self, key):
+        reads.append(key); return key in original
+handlers = list(logging.getLogger().handlers)
+before = dict(original)
+os.environ = Spy(original)
+import funcaccel
+os.environ = original
+assert not dist.is_initialized(), "a process group was started"
+assert dict(os.environ) == before, "the environment changed"
+assert logging.getLogger().handlers == handlers, "a logging handler was added"
+print(sorted(set(reads)))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
