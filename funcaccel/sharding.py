@@ -4,8 +4,7 @@ Everything here is index arithmetic on values the caller passes in: nothing read
 ``torch.distributed``, the environment or a global. A shard is a frozen value that
 wraps the original batch sampler or dataset without changing it; each iteration of
 a shard iterates the original exactly once (one epoch) and keeps only what this
-rank needs, plus the first indices of the epoch in case the last round must loop
-back to them.
+rank needs, plus the epoch's first indices in case the last round loops back.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from collections.abc import Sized
+from dataclasses import InitVar
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -32,7 +32,7 @@ __all__ = [
 _T = TypeVar("_T")
 
 
-def _check_int(where: str, name: str, value: object, *, minimum: int) -> None:
+def _check_int(where: str, name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         msg = f"{where}: {name} must be an int, got {value!r} of type {type(value).__name__}; pass an int >= {minimum}."
         raise TypeError(msg)
@@ -41,24 +41,25 @@ def _check_int(where: str, name: str, value: object, *, minimum: int) -> None:
             f"{where}: {name} ({value}) must be >= {minimum}; pass an int >= {minimum}."
         )
         raise ValueError(msg)
+    return value
 
 
-def _check_bool(where: str, name: str, value: object) -> None:
+def _check_bool(where: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
         msg = f"{where}: {name} must be a bool, got {value!r} of type {type(value).__name__}; pass True or False."
         raise TypeError(msg)
+    return value
 
 
-def _check_world(where: str, num_processes: object, process_index: object) -> None:
-    _check_int(where, "num_processes", num_processes, minimum=1)
-    _check_int(where, "process_index", process_index, minimum=0)
-    assert isinstance(num_processes, int) and isinstance(process_index, int)
-    if process_index >= num_processes:
-        msg = (
-            f"{where}: process_index ({process_index}) must be in [0, num_processes={num_processes}); "
-            f"pass this process's rank, below {num_processes}."
-        )
+def _check_world(
+    where: str, num_processes: object, process_index: object, split_batches: object
+) -> None:
+    p = _check_int(where, "num_processes", num_processes, 1)
+    i = _check_int(where, "process_index", process_index, 0)
+    if i >= p:
+        msg = f"{where}: process_index ({i}) must be in [0, num_processes={p}); pass this process's rank, below {p}."
         raise ValueError(msg)
+    _check_bool(where, "split_batches", split_batches)
 
 
 def _check_split(where: str, batch_size: int | None, num_processes: int) -> None:
@@ -70,10 +71,6 @@ def _check_split(where: str, batch_size: int | None, num_processes: int) -> None
         raise ValueError(msg)
 
 
-def _check_skip(where: str, skip: object) -> None:
-    _check_int(where, "skip", skip, minimum=0)
-
-
 def _take_cyclic(source: Sequence[_T], start: int, count: int) -> list[_T]:
     """Return ``count`` items of ``cycle(source)`` from position ``start``."""
     if not source:
@@ -81,36 +78,13 @@ def _take_cyclic(source: Sequence[_T], start: int, count: int) -> list[_T]:
     return [source[(start + t) % len(source)] for t in range(count)]
 
 
-def _base_options(where: str, batch_sampler: object) -> tuple[int | None, bool]:
-    """Read and check ``batch_size`` (absent: ``None``) and ``drop_last`` (absent: False)."""
-    if not isinstance(batch_sampler, Iterable):
-        msg = f"{where}: batch_sampler must be an iterable of index lists, got {type(batch_sampler).__name__}; pass a torch BatchSampler or similar."
-        raise TypeError(msg)
-    batch_size: Any = getattr(batch_sampler, "batch_size", None)
-    drop_last: Any = getattr(batch_sampler, "drop_last", False)
-    if batch_size is not None:
-        _check_int(where, "batch_sampler.batch_size", batch_size, minimum=1)
-    _check_bool(where, "batch_sampler.drop_last", drop_last)
-    return batch_size, drop_last
-
-
 @dataclass(frozen=True, kw_only=True)
 class ShardedBatchSampler(Sampler[list[int]]):
     """The batches of one rank, cut from a base batch sampler as SPEC §2 states.
 
-    Build it with :func:`shard_batch_sampler`. ``batch_size`` and ``drop_last`` are
-    read from ``batch_sampler`` once, at construction (``None`` and ``False`` when it
-    lacks them); the base itself is never changed.
-
-    Attributes:
-        batch_sampler: The wrapped base batch sampler, iterated once per epoch.
-        num_processes: Number of ranks ``p``.
-        process_index: This rank ``i``.
-        split_batches: Each base batch is cut into ``p`` slices instead of dealt out.
-        even_batches: Loop back to the epoch's first indices so every rank gets the
-            same number of full batches.
-        batch_size: The base batch size ``bs`` (``None`` for a dynamic sampler).
-        drop_last: The base sampler's ``drop_last``.
+    Built by :func:`shard_batch_sampler`, whose arguments are its fields. Also holds
+    ``batch_size`` (``bs``; ``None`` for a dynamic sampler) and ``drop_last``, read
+    from ``batch_sampler`` once, at construction. The base is never changed.
     """
 
     batch_sampler: Iterable[Sequence[int]]
@@ -120,37 +94,33 @@ class ShardedBatchSampler(Sampler[list[int]]):
     even_batches: bool = True
     batch_size: int | None = field(init=False)
     drop_last: bool = field(init=False)
+    # Name that error messages start with; shard_batch_sampler passes its own.
+    _caller: InitVar[str] = "ShardedBatchSampler"
 
-    def __post_init__(self) -> None:
-        where = type(self).__name__
-        batch_size, drop_last = _validate_batch_shard(
-            where,
-            self.batch_sampler,
-            self.num_processes,
-            self.process_index,
-            self.split_batches,
-            self.even_batches,
+    def __post_init__(self, _caller: str) -> None:
+        if not isinstance(self.batch_sampler, Iterable):
+            msg = f"{_caller}: batch_sampler must be an iterable of index lists, got {type(self.batch_sampler).__name__}; pass a torch BatchSampler or similar."
+            raise TypeError(msg)
+        _check_world(
+            _caller, self.num_processes, self.process_index, self.split_batches
         )
-        object.__setattr__(self, "batch_size", batch_size)
+        _check_bool(_caller, "even_batches", self.even_batches)
+        size: Any = getattr(self.batch_sampler, "batch_size", None)
+        drop_last: Any = getattr(self.batch_sampler, "drop_last", False)
+        if size is not None:
+            _check_int(_caller, "batch_sampler.batch_size", size, 1)
+        _check_bool(_caller, "batch_sampler.drop_last", drop_last)
+        if self.split_batches:
+            _check_split(_caller, size, self.num_processes)
+        object.__setattr__(self, "batch_size", size)
         object.__setattr__(self, "drop_last", drop_last)
 
     @property
     def total_batch_size(self) -> int | None:
         """Global batch size ``G``: ``bs`` if split, else ``bs * p``; ``None`` if dynamic."""
-        if self.batch_size is None:
-            return None
-        return (
-            self.batch_size
-            if self.split_batches
-            else self.batch_size * self.num_processes
-        )
-
-    @property
-    def process_batch_size(self) -> int | None:
-        """Per-rank batch size ``c``: ``bs / p`` if split, else ``bs``; ``None`` if dynamic."""
-        if self.batch_size is None or not self.split_batches:
+        if self.batch_size is None or self.split_batches:
             return self.batch_size
-        return self.batch_size // self.num_processes
+        return self.batch_size * self.num_processes
 
     def __len__(self) -> int:
         """Return the number of batches this rank yields per epoch (SPEC §2).
@@ -162,31 +132,22 @@ class ShardedBatchSampler(Sampler[list[int]]):
             msg = f"{type(self).__name__}.__len__: the base batch sampler ({type(self.batch_sampler).__name__}) has no len(); give it a __len__ or do not ask for len()."
             raise TypeError(msg)
         k, p, i = len(self.batch_sampler), self.num_processes, self.process_index
-        if self.split_batches:
-            if k == 0 or self.even_batches or self.drop_last:
-                return k
-            assert self.batch_size is not None  # checked at construction
-            last = self._last_batch_length(k, self.batch_size)
-            return (
-                k - 1
-                if last < self.batch_size and last <= i * (self.batch_size // p)
-                else k
-            )
-        if self.drop_last:
-            return k // p
-        if self.even_batches:
-            return -(-k // p)
-        return k // p + (1 if i < k % p else 0)
+        if not self.split_batches:
+            if self.drop_last:
+                return k // p
+            return -(-k // p) if self.even_batches else k // p + (i < k % p)
+        if k == 0 or self.even_batches or self.drop_last:
+            return k
+        assert self.batch_size is not None  # checked at construction
+        last = self._last_batch_length(k, self.batch_size)
+        return k - (last < self.batch_size and last <= i * (self.batch_size // p))
 
     def _last_batch_length(self, k: int, batch_size: int) -> int:
         # torch's BatchSampler: the last batch holds what is left of len(sampler).
         sampler = getattr(self.batch_sampler, "sampler", None)
-        if isinstance(sampler, Sized):
-            n = len(sampler)
-            if -(-n // batch_size) == k:
-                return n - (k - 1) * batch_size
-        # Any other base: walk one epoch of index lists (no data is read).
-        last = 0
+        if isinstance(sampler, Sized) and -(-len(sampler) // batch_size) == k:
+            return len(sampler) - (k - 1) * batch_size
+        last = 0  # any other base: walk one epoch of index lists (no data is read)
         for batch in self.batch_sampler:
             last = len(batch)
         return last
@@ -198,13 +159,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def iter_from(self, skip: int) -> Iterator[list[int]]:
         """Iterate one epoch of this rank's batches, leaving out its first ``skip``.
 
-        The base is iterated once, as for a full epoch (its random order is drawn as
-        usual), but a skipped batch is only counted: its indices are neither sliced,
-        padded nor yielded, so a loader that resumes mid-epoch fetches no skipped data.
-        Skipping past the end yields nothing.
+        For resuming mid-epoch. The base is iterated once, as for a whole epoch (a
+        random base draws its order as usual), but a skipped batch is only counted:
+        its indices are not sliced, padded or yielded, so no skipped data is fetched.
 
         Args:
-            skip: Number of this rank's leading batches to leave out (``>= 0``).
+            skip: Number of this rank's leading batches to leave out (``>= 0``);
+                skipping past the end yields nothing.
 
         Returns:
             An iterator equal to ``itertools.islice(iter(self), skip, None)``.
@@ -213,38 +174,33 @@ class ShardedBatchSampler(Sampler[list[int]]):
             ValueError: If ``skip`` is negative.
 
         >>> from torch.utils.data import BatchSampler, SequentialSampler
-        >>> base = BatchSampler(SequentialSampler(range(10)), batch_size=2, drop_last=False)
+        >>> base = BatchSampler(SequentialSampler(range(10)), 2, drop_last=False)
         >>> list(shard_batch_sampler(base, num_processes=2, process_index=1).iter_from(1))
         [[6, 7], [0, 1]]
         """
-        _check_skip(f"{type(self).__name__}.iter_from", skip)
-        if self.split_batches:
-            return self._iter_split(skip)
-        return self._iter_whole(skip)
+        _check_int(f"{type(self).__name__}.iter_from", "skip", skip, 0)
+        return self._iter_split(skip) if self.split_batches else self._iter_whole(skip)
 
     def _iter_split(self, skip: int) -> Iterator[list[int]]:
         assert self.batch_size is not None  # checked at construction
         bs = self.batch_size
         lo = self.process_index * (bs // self.num_processes)
         hi = lo + bs // self.num_processes
-        first: Sequence[int] | None = None  # B_0, the loop-back source
+        first: list[int] | None = None  # B_0, the loop-back source
         produced = 0  # this rank's batches so far, skipped ones included
         for batch in self.batch_sampler:
             if first is None:
                 first = list(batch)
-            if len(batch) < bs:
-                # Only the last base batch can be short.
-                if self.drop_last or (not self.even_batches and len(batch) <= lo):
-                    continue
+            if len(batch) >= bs:
                 if produced >= skip:
-                    padded = (
-                        list(batch) + _take_cyclic(first, 0, bs - len(batch))
-                        if self.even_batches
-                        else batch
-                    )
-                    yield list(padded[lo:hi])
+                    yield list(batch[lo:hi])
+            elif self.drop_last or not (self.even_batches or len(batch) > lo):
+                continue  # only the last base batch can be short
             elif produced >= skip:
-                yield list(batch[lo:hi])
+                pad = _take_cyclic(
+                    first, 0, bs - len(batch) if self.even_batches else 0
+                )
+                yield (list(batch) + pad)[lo:hi]
             produced += 1
 
     def _iter_whole(self, skip: int) -> Iterator[list[int]]:
@@ -252,13 +208,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
         keep_head = self.even_batches and not self.drop_last
         head: list[list[int]] = []  # B_0 .. B_{min(p,k)-1}, the loop-back source
         mine: list[int] = []  # this rank's batch in the open round
-        size = 0  # batches in the open round
-        last_len = 0  # length of the newest base batch
+        size = last_len = 0  # batches in the open round; length of the newest one
         produced = 0  # this rank's batches so far, skipped ones included
         for batch in self.batch_sampler:
             if size == p:
-                # A full round ending in a short batch turned out not to be the tail;
-                # a conforming base never gets here (only its last batch is short).
+                # A round ending in a short batch was not the tail after all; a
+                # conforming base never gets here (only its last batch is short).
                 if produced >= skip:
                     yield mine
                 produced, size = produced + 1, 0
@@ -272,47 +227,24 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 if produced >= skip:
                     yield mine
                 produced, size = produced + 1, 0
-        # The tail T holds the `size` batches of the open round; only its last can be short.
+        # The open round is the tail T (len(T) = size); only T[-1] can be short.
         if size == 0 or self.drop_last or produced < skip:
             return
-        if not self.even_batches:
+        if not self.even_batches or (i < size and (bs is None or len(mine) >= bs)):
             if i < size:
                 yield mine
-            return
-        if bs is None:
-            yield mine if i < size else list(head[(i - size) % len(head)])
-            return
-        # The final round's positions draw, in order, from one shared cycle F of the
-        # first min(p, k) batches: the short last batch T[-1] takes bs - len(T[-1])
-        # items, each empty position takes bs. Rank i needs only its own draw.
-        fill = [index for batch in head for index in batch]
-        if i < size:
-            yield (
-                mine
-                if len(mine) >= bs
-                else mine + _take_cyclic(fill, 0, bs - len(mine))
-            )
-            return
-        start = max(bs - last_len, 0) + (i - size) * bs
-        yield _take_cyclic(fill, start, bs)
-
-
-def _validate_batch_shard(
-    where: str,
-    batch_sampler: object,
-    num_processes: object,
-    process_index: object,
-    split_batches: object,
-    even_batches: object,
-) -> tuple[int | None, bool]:
-    _check_world(where, num_processes, process_index)
-    _check_bool(where, "split_batches", split_batches)
-    _check_bool(where, "even_batches", even_batches)
-    batch_size, drop_last = _base_options(where, batch_sampler)
-    assert isinstance(num_processes, int)
-    if split_batches:
-        _check_split(where, batch_size, num_processes)
-    return batch_size, drop_last
+        elif bs is None:
+            yield list(head[(i - size) % len(head)])
+        else:
+            # Positions j = 0 .. p-1 of the final round draw in turn from one shared
+            # cycle F over the first min(p, k) batches: the short T[-1] takes
+            # bs - len(T[-1]) items and each empty position bs; rank i needs only
+            # its own draw.
+            fill = [index for batch in head for index in batch]
+            if i < size:
+                yield mine + _take_cyclic(fill, 0, bs - len(mine))
+            else:
+                yield _take_cyclic(fill, max(bs - last_len, 0) + (i - size) * bs, bs)
 
 
 def shard_batch_sampler(
@@ -335,7 +267,7 @@ def shard_batch_sampler(
     and rank 1 yields [3, 4, 5] [9, 0, 1] (the last two loop back to the start):
 
     >>> from torch.utils.data import BatchSampler, SequentialSampler
-    >>> base = BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=False)
+    >>> base = BatchSampler(SequentialSampler(range(10)), 3, drop_last=False)
     >>> [list(shard_batch_sampler(base, num_processes=2, process_index=r)) for r in (0, 1)]
     [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]
     >>> uneven = shard_batch_sampler(base, num_processes=2, process_index=1, even_batches=False)
@@ -352,8 +284,8 @@ def shard_batch_sampler(
         even_batches: Loop back to the epoch's start to even out the last round.
 
     Returns:
-        A frozen torch ``Sampler`` of index lists whose ``len()`` is the number of
-        batches this rank yields.
+        A frozen torch ``Sampler`` of index lists; its ``len()`` is the number of
+        batches this rank yields and ``total_batch_size`` is ``G``.
 
     Raises:
         ValueError: If ``num_processes < 1``, ``process_index`` is out of range, or
@@ -362,20 +294,13 @@ def shard_batch_sampler(
         TypeError: If an argument, or the base's ``batch_size``/``drop_last``, has
             the wrong type.
     """
-    _validate_batch_shard(
-        "shard_batch_sampler",
-        batch_sampler,
-        num_processes,
-        process_index,
-        split_batches,
-        even_batches,
-    )
     return ShardedBatchSampler(
         batch_sampler=batch_sampler,
         num_processes=num_processes,
         process_index=process_index,
         split_batches=split_batches,
         even_batches=even_batches,
+        _caller="shard_batch_sampler",
     )
 
 
@@ -383,16 +308,9 @@ def shard_batch_sampler(
 class ShardedIterableDataset(IterableDataset[_T]):
     """The samples of one rank, cut from a stream as SPEC §3 states.
 
-    Build it with :func:`shard_iterable_dataset`. Every rank reads the whole stream
-    into buffers of ``total_batch_size`` samples and keeps its slice of each.
-
-    Attributes:
-        dataset: The wrapped stream, read once per iteration.
-        batch_size: The original loader's batch size ``bs``.
-        drop_last: Discard a last partial buffer instead of padding it.
-        num_processes: Number of ranks ``p``.
-        process_index: This rank ``i``.
-        split_batches: ``bs`` is the global batch size, cut into ``p`` slices.
+    Built by :func:`shard_iterable_dataset`, whose arguments are its fields. Every
+    rank reads the whole stream into buffers of ``total_batch_size`` samples and
+    keeps its slice of each.
     """
 
     dataset: Iterable[_T]
@@ -401,35 +319,30 @@ class ShardedIterableDataset(IterableDataset[_T]):
     num_processes: int = 1
     process_index: int = 0
     split_batches: bool = False
+    # Name that error messages start with; shard_iterable_dataset passes its own.
+    _caller: InitVar[str] = "ShardedIterableDataset"
 
-    def __post_init__(self) -> None:
-        _validate_iterable_shard(
-            type(self).__name__,
-            self.dataset,
-            self.batch_size,
-            self.drop_last,
-            self.num_processes,
-            self.process_index,
-            self.split_batches,
+    def __post_init__(self, _caller: str) -> None:
+        if not isinstance(self.dataset, Iterable):
+            msg = f"{_caller}: dataset must be iterable, got {type(self.dataset).__name__}; pass an IterableDataset or another iterable."
+            raise TypeError(msg)
+        _check_int(_caller, "batch_size", self.batch_size, 1)
+        _check_bool(_caller, "drop_last", self.drop_last)
+        _check_world(
+            _caller, self.num_processes, self.process_index, self.split_batches
         )
+        if self.split_batches:
+            _check_split(_caller, self.batch_size, self.num_processes)
 
     @property
     def total_batch_size(self) -> int:
         """Global batch size ``G``: ``bs`` if split, else ``bs * p``."""
-        return (
-            self.batch_size
-            if self.split_batches
-            else self.batch_size * self.num_processes
-        )
+        return self.batch_size * (1 if self.split_batches else self.num_processes)
 
     @property
     def process_batch_size(self) -> int:
-        """Per-rank batch size ``c``: ``bs / p`` if split, else ``bs``."""
-        return (
-            self.batch_size // self.num_processes
-            if self.split_batches
-            else self.batch_size
-        )
+        """Per-rank batch size ``c``, to batch this shard with: ``bs / p`` if split, else ``bs``."""
+        return self.batch_size // (self.num_processes if self.split_batches else 1)
 
     def __len__(self) -> int:
         """Return the number of samples this rank yields per epoch (SPEC §3).
@@ -441,14 +354,12 @@ class ShardedIterableDataset(IterableDataset[_T]):
             msg = f"{type(self).__name__}.__len__: the dataset ({type(self.dataset).__name__}) has no len(); give it a __len__ or do not ask for len()."
             raise TypeError(msg)
         n, g = len(self.dataset), self.total_batch_size
-        buffers = n // g if self.drop_last else -(-n // g)
-        return self.process_batch_size * buffers
+        return self.process_batch_size * (n // g if self.drop_last else -(-n // g))
 
     def set_epoch(self, epoch: int) -> None:
-        """Forward ``epoch`` to ``dataset.set_epoch``, if the dataset defines one.
+        """Call ``dataset.set_epoch(epoch)`` if the dataset defines it, else nothing.
 
-        The shard itself holds no epoch; the wrapped dataset changes as its own
-        ``set_epoch`` does.
+        The shard holds no epoch itself; the dataset changes as its own method does.
         """
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
@@ -461,14 +372,8 @@ class ShardedIterableDataset(IterableDataset[_T]):
     def iter_from(self, skip: int) -> Iterator[_T]:
         """Iterate one epoch of this rank's samples, leaving out its first ``skip``.
 
-        The stream is read in full, as for a whole epoch (an iterable dataset cannot
-        seek), and skipped samples are dropped without being yielded.
-
-        Args:
-            skip: Number of this rank's leading samples to leave out (``>= 0``).
-
-        Returns:
-            An iterator equal to ``itertools.islice(iter(self), skip, None)``.
+        The stream is read in full (an iterable dataset cannot seek); skipped samples
+        are dropped unyielded. Equals ``itertools.islice(iter(self), skip, None)``.
 
         Raises:
             ValueError: If ``skip`` is negative.
@@ -477,7 +382,7 @@ class ShardedIterableDataset(IterableDataset[_T]):
         >>> list(shard.iter_from(2))
         [2, 6, 7, 8]
         """
-        _check_skip(f"{type(self).__name__}.iter_from", skip)
+        _check_int(f"{type(self).__name__}.iter_from", "skip", skip, 0)
         return self._iter(skip)
 
     def _iter(self, skip: int) -> Iterator[_T]:
@@ -491,34 +396,10 @@ class ShardedIterableDataset(IterableDataset[_T]):
             if len(buffer) == g:
                 yield from buffer[max(lo, lo + skip - produced) : hi]
                 produced += c
-                if first is None:
-                    first = buffer
-                buffer = []
+                first, buffer = buffer if first is None else first, []
         if buffer and not self.drop_last:
-            source = buffer if first is None else first
-            padded = buffer + _take_cyclic(source, 0, g - len(buffer))
-            yield from padded[max(lo, lo + skip - produced) : hi]
-
-
-def _validate_iterable_shard(
-    where: str,
-    dataset: object,
-    batch_size: object,
-    drop_last: object,
-    num_processes: object,
-    process_index: object,
-    split_batches: object,
-) -> None:
-    if not isinstance(dataset, Iterable):
-        msg = f"{where}: dataset must be iterable, got {type(dataset).__name__}; pass an IterableDataset or another iterable."
-        raise TypeError(msg)
-    _check_int(where, "batch_size", batch_size, minimum=1)
-    _check_bool(where, "drop_last", drop_last)
-    _check_world(where, num_processes, process_index)
-    _check_bool(where, "split_batches", split_batches)
-    assert isinstance(batch_size, int) and isinstance(num_processes, int)
-    if split_batches:
-        _check_split(where, batch_size, num_processes)
+            pad = _take_cyclic(buffer if first is None else first, 0, g - len(buffer))
+            yield from (buffer + pad)[max(lo, lo + skip - produced) : hi]
 
 
 def shard_iterable_dataset(
@@ -557,7 +438,8 @@ def shard_iterable_dataset(
             otherwise ``G = bs * p`` and ``c = bs``.
 
     Returns:
-        A frozen torch ``IterableDataset`` of single samples (batch it with ``c``).
+        A frozen torch ``IterableDataset`` of single samples (batch it with ``c``,
+        its ``process_batch_size``).
 
     Raises:
         ValueError: If ``batch_size < 1``, ``num_processes < 1``, ``process_index``
@@ -565,15 +447,6 @@ def shard_iterable_dataset(
             multiple of ``num_processes`` (batch size 1 included).
         TypeError: If an argument has the wrong type.
     """
-    _validate_iterable_shard(
-        "shard_iterable_dataset",
-        dataset,
-        batch_size,
-        drop_last,
-        num_processes,
-        process_index,
-        split_batches,
-    )
     return ShardedIterableDataset(
         dataset=dataset,
         batch_size=batch_size,
@@ -581,4 +454,5 @@ def shard_iterable_dataset(
         num_processes=num_processes,
         process_index=process_index,
         split_batches=split_batches,
+        _caller="shard_iterable_dataset",
     )

@@ -309,7 +309,7 @@ def test_sharded_batch_sampler_is_a_frozen_sampler_with_its_options() -> None:
     assert (shard.batch_size, shard.drop_last) == (3, False)
     assert (shard.num_processes, shard.process_index) == (2, 1)
     assert (shard.split_batches, shard.even_batches) == (False, False)
-    assert (shard.total_batch_size, shard.process_batch_size) == (6, 3)
+    assert shard.total_batch_size == 6
     with pytest.raises(dataclasses.FrozenInstanceError):
         shard.process_index = 0  # type: ignore[misc]
     assert shard == shard_batch_sampler(
@@ -318,11 +318,11 @@ def test_sharded_batch_sampler_is_a_frozen_sampler_with_its_options() -> None:
     assert list(base) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]  # base unchanged
 
 
-def test_split_shard_reports_global_and_process_batch_size() -> None:
+def test_split_shard_reports_the_global_batch_size() -> None:
     shard = shard_batch_sampler(
         sequential_base(10, 4), num_processes=2, process_index=0, split_batches=True
     )
-    assert (shard.total_batch_size, shard.process_batch_size) == (4, 2)
+    assert shard.total_batch_size == 4
 
 
 def test_sharded_batch_sampler_feeds_a_dataloader_and_pickles() -> None:
@@ -386,10 +386,7 @@ def test_dynamic_batch_sampler_takes_whole_batches_from_the_first_round(
     shards = all_ranks(base, p, even_batches=even)
     assert [list(shard) for shard in shards] == expected
     assert [len(shard) for shard in shards] == [len(batches) for batches in expected]
-    assert all(
-        shard.total_batch_size is None and shard.process_batch_size is None
-        for shard in shards
-    )
+    assert all(shard.total_batch_size is None for shard in shards)
 
 
 def test_base_without_batch_size_or_drop_last_is_dynamic() -> None:
