@@ -1,0 +1,517 @@
+"""Collectives over nested tensors: gather, broadcast, reduce, pad, gather for metrics.
+
+Every function takes ``ctx`` first. Data is a tensor or a nested list / tuple / named
+tuple / dict of tensors; the structure is rebuilt (named tuples as their own type),
+the caller's tensors and containers are never modified, and another leaf is a
+``TypeError`` naming its path. With one process every function returns its input
+(``reduce`` an equal copy) and needs no process group; arguments are checked alike.
+With several, ranks first exchange each leaf's shape and dtype, so a disagreement is
+a ``ValueError`` on every rank instead of a hang.
+
+>>> ctx = DistributedContext()
+>>> gather(ctx, {"x": torch.tensor([1, 2])})
+{'x': tensor([1, 2])}
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from collections.abc import Mapping
+from typing import Any
+from typing import Final
+from typing import Literal
+from typing import Protocol
+from typing import TypeVar
+from typing import overload
+
+import torch
+import torch.distributed as dist
+
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+
+__all__ = [
+    "BatchInfo",
+    "Reduction",
+    "broadcast",
+    "broadcast_object",
+    "gather",
+    "gather_for_metrics",
+    "gather_object",
+    "pad_across_processes",
+    "pad_tensor",
+    "reduce",
+]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Mapping[Any, Any])
+Reduction = Literal["sum", "mean", "max"]
+_REDUCTIONS: Final = ("sum", "mean", "max")
+# Per rank: the leaf paths, then each leaf's (shape, dtype name).
+_Spec = tuple[list[str], list[tuple[tuple[int, ...], str]]]
+
+
+class BatchInfo(Protocol):
+    """What ``gather_for_metrics`` reads of a batch record from ``iter_batches``."""
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the last batch this rank yields in the epoch."""
+        ...
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the epoch's last global batch; 0 if full, -1 if dropped."""
+        ...
+
+
+def _flatten(data: object, caller: str, path: str = "data") -> list[tuple[str, Any]]:
+    """Return ``(path, leaf)`` pairs in a fixed order; raise on a non-tensor leaf."""
+    if isinstance(data, torch.Tensor):
+        return [(path, data)]
+    if isinstance(data, Mapping):
+        items = [(f"{path}[{k!r}]", v) for k, v in data.items()]
+    elif isinstance(data, tuple) and hasattr(data, "_fields"):
+        items = [(f"{path}.{f}", v) for f, v in zip(data._fields, data, strict=True)]
+    elif isinstance(data, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(data)]
+    else:
+        msg = (
+            f"{caller}: {path} is a {type(data).__name__} ({data!r:.60}); data must be "
+            "a tensor or a list / tuple / dict of tensors; convert the leaf with "
+            "torch.as_tensor or use gather_object for arbitrary objects."
+        )
+        raise TypeError(msg)
+    return [pair for p, v in items for pair in _flatten(v, caller, p)]
+
+
+def _leaves(data: object, caller: str) -> tuple[list[str], list[torch.Tensor]]:
+    pairs = _flatten(data, caller)
+    return [p for p, _ in pairs], [t for _, t in pairs]
+
+
+def _rebuild(data: Any, leaves: Iterator[torch.Tensor]) -> Any:
+    """Return ``data``'s structure (new containers) holding the next ``leaves``."""
+    if isinstance(data, torch.Tensor):
+        return next(leaves)
+    if isinstance(data, Mapping):
+        pairs = [(k, _rebuild(v, leaves)) for k, v in data.items()]
+        if isinstance(data, defaultdict):
+            return defaultdict(data.default_factory, pairs)
+        return type(data)(pairs) if isinstance(data, dict) else dict(pairs)
+    items = [_rebuild(v, leaves) for v in data]
+    return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+
+
+def _map(data: T, leaves: list[torch.Tensor]) -> T:
+    rebuilt: T = _rebuild(data, iter(leaves))
+    return rebuilt
+
+
+def _exchange(
+    ctx: DistributedContext, caller: str, paths: list[str], leaves: list[torch.Tensor]
+) -> list[list[tuple[tuple[int, ...], str]]]:
+    """All-gather every rank's leaf shapes and dtypes; same structure on all ranks."""
+    local: _Spec = (paths, [(tuple(t.shape), str(t.dtype)) for t in leaves])
+    every: list[Any] = [None] * ctx.num_processes
+    dist.all_gather_object(every, local)
+    specs: list[_Spec] = every
+    if any(spec[0] != paths for spec in specs):
+        listing = "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(specs))
+        msg = (
+            f"{caller}: data has a different structure on different ranks ({listing}); "
+            "pass the same nesting, keys and key order on every rank."
+        )
+        raise ValueError(msg)
+    return [[spec[1][i] for spec in specs] for i in range(len(paths))]
+
+
+def _check_agree(
+    caller: str, path: str, per_rank: list[tuple[tuple[int, ...], str]], first: int
+) -> None:
+    """Raise unless every rank's leaf agrees on dtype and on shape from dim ``first``."""
+    keys = {(shape[first:], dtype) for shape, dtype in per_rank}
+    if len(keys) > 1:
+        listing = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(per_rank))
+        rule = "every dim but 0" if first else "the shape"
+        msg = (
+            f"{caller}: {path} must have the same dtype and {rule} on every rank; got "
+            f"{listing}. Cast to one dtype and pad with pad_across_processes first."
+        )
+        raise ValueError(msg)
+
+
+def _check_from_process(
+    ctx: DistributedContext, caller: str, from_process: int
+) -> None:
+    if not isinstance(from_process, int) or isinstance(from_process, bool):
+        msg = f"{caller}: from_process must be an int; got {from_process!r}."
+        raise TypeError(msg)
+    if not 0 <= from_process < ctx.num_processes:
+        msg = (
+            f"{caller}: from_process ({from_process}) must be in "
+            f"[0, num_processes={ctx.num_processes}); pass the rank to copy from."
+        )
+        raise ValueError(msg)
+
+
+def pad_tensor(
+    tensor: torch.Tensor,
+    size: int,
+    *,
+    dim: int = 0,
+    pad_index: float = 0,
+    pad_first: bool = False,
+) -> torch.Tensor:
+    """Return ``tensor`` padded along ``dim`` to ``size`` with ``pad_index``.
+
+    Pure; ``tensor`` is not modified, and is returned itself when already ``size`` long.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor or ``pad_index`` not a number.
+        ValueError: ``dim`` not in ``[0, tensor.ndim)``, ``size`` below the current
+            size, or a fractional ``pad_index`` for an integer tensor.
+
+    >>> pad_tensor(torch.tensor([4]), 3)
+    tensor([4, 0, 0])
+    >>> pad_tensor(torch.tensor([[1, 2]]), 3, dim=1, pad_index=-1, pad_first=True)
+    tensor([[-1,  1,  2]])
+    """
+    if not isinstance(tensor, torch.Tensor):
+        msg = f"pad_tensor: tensor must be a torch.Tensor; got {type(tensor).__name__}."
+        raise TypeError(msg)
+    _check_pad_args("pad_tensor", dim, pad_index)
+    if dim >= tensor.ndim:
+        msg = f"pad_tensor: dim ({dim}) must be < tensor.ndim ({tensor.ndim}) for shape {tuple(tensor.shape)}; pass a dim the tensor has."
+        raise ValueError(msg)
+    if isinstance(pad_index, float) and not pad_index.is_integer():
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            msg = f"pad_tensor: pad_index {pad_index} cannot be stored in a {tensor.dtype} tensor; pass an integer pad_index."
+            raise ValueError(msg)
+    current = tensor.shape[dim]
+    if size < current:
+        msg = f"pad_tensor: size ({size}) is smaller than the tensor's size {current} along dim {dim}; pass size >= {current}."
+        raise ValueError(msg)
+    if size == current:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = size
+    out = tensor.new_full(shape, pad_index)
+    out.narrow(dim, size - current if pad_first else 0, current).copy_(tensor)
+    return out
+
+
+def _check_pad_args(caller: str, dim: int, pad_index: float) -> None:
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        msg = f"{caller}: dim must be an int >= 0; got {dim!r}. Count dims from 0."
+        raise ValueError(msg)
+    if not isinstance(pad_index, (int, float)):
+        msg = f"{caller}: pad_index must be a number; got {pad_index!r}."
+        raise TypeError(msg)
+
+
+def gather(ctx: DistributedContext, data: T) -> T:
+    """Concatenate every rank's tensors along dim 0, in rank order, on every rank.
+
+    0-d tensors count as shape ``[1]``; dim-0 sizes may differ. ``data`` is not
+    modified. With 2 ranks, rank 0 ``[1, 2]`` and rank 1 ``[3]`` give
+    ``[1, 2, 3]`` on both.
+
+    Raises:
+        TypeError: a leaf is not a tensor.
+        ValueError: on every rank, when the structure, a dtype or a dim but 0 differs.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "gather")
+    paths, leaves = _leaves(data, "gather")
+    if ctx.num_processes == 1:
+        return data
+    flat = [t.reshape(1) if t.ndim == 0 else t for t in leaves]
+    specs = _exchange(ctx, "gather", paths, flat)
+    out = []
+    for path, tensor, per_rank in zip(paths, flat, specs, strict=True):
+        _check_agree("gather", path, per_rank, 1)
+        sizes = [shape[0] for shape, _ in per_rank]
+        send = pad_tensor(tensor, max(sizes)).contiguous()
+        buffers = [torch.empty_like(send) for _ in sizes]
+        dist.all_gather(buffers, send)
+        out.append(torch.cat([b[:n] for b, n in zip(buffers, sizes, strict=True)]))
+    return _map(data, out)
+
+
+def _gather_objects(
+    ctx: DistributedContext, obj: object, caller: str, name: str
+) -> list[Any]:
+    every: list[Any] = [obj]
+    if ctx.num_processes > 1:
+        # Exchange first, check after: every rank sees every rank's type alike.
+        every = [None] * ctx.num_processes
+        dist.all_gather_object(every, obj)
+    bad = [
+        f"rank {r}: {type(o).__name__}"
+        for r, o in enumerate(every)
+        if not isinstance(o, (list, tuple))
+    ]
+    if bad:
+        msg = (
+            f"{caller}: {name} must be a list or tuple on every rank; got "
+            f"{', '.join(bad)}; wrap a single object as [{name}]."
+        )
+        raise TypeError(msg)
+    if ctx.num_processes == 1:
+        return obj if isinstance(obj, list) else list(every[0])
+    return [item for part in every for item in part]
+
+
+def gather_object(ctx: DistributedContext, obj: list[T] | tuple[T, ...]) -> list[T]:
+    """Return a new list of rank 0's items, then rank 1's, ... on every rank.
+
+    Items must pickle. With 2 ranks, rank 0 ``["a"]`` and rank 1 ``["b", "c"]``
+    give ``["a", "b", "c"]`` on both. With one process ``obj`` itself is returned
+    (a tuple as a list of its items).
+
+    Raises:
+        TypeError: ``obj`` is not a list or tuple (on every rank when any rank's is not).
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "gather_object")
+    out: list[T] = _gather_objects(ctx, obj, "gather_object", "obj")
+    return out
+
+
+def broadcast(ctx: DistributedContext, data: T, *, from_process: int = 0) -> T:
+    """Return rank ``from_process``'s tensors on every rank; ``data`` is not modified.
+
+    Every rank passes tensors of the same shapes and dtypes (their values are
+    ignored, except on ``from_process``). With 2 ranks, rank 0 ``[1., 2.]`` and
+    rank 1 ``[0., 0.]`` give ``[1., 2.]`` on both (``[0., 0.]`` with
+    ``from_process=1``).
+
+    Raises:
+        TypeError: a leaf is not a tensor, or ``from_process`` not an int.
+        ValueError: ``from_process`` out of range; on every rank, a structure,
+            shape or dtype that differs across ranks.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "broadcast")
+    _check_from_process(ctx, "broadcast", from_process)
+    paths, leaves = _leaves(data, "broadcast")
+    if ctx.num_processes == 1:
+        return data
+    for path, per_rank in zip(
+        paths, _exchange(ctx, "broadcast", paths, leaves), strict=True
+    ):
+        _check_agree("broadcast", path, per_rank, 0)
+    out = [t.detach().clone(memory_format=torch.contiguous_format) for t in leaves]
+    for tensor in out:
+        dist.broadcast(tensor, src=from_process)
+    return _map(data, out)
+
+
+def broadcast_object(ctx: DistributedContext, obj: T, *, from_process: int = 0) -> T:
+    """Return rank ``from_process``'s picklable ``obj`` on every rank.
+
+    Other ranks' ``obj`` is ignored (pass ``None``). With 2 ranks, rank 0
+    ``{"seed": 7}`` and rank 1 ``None`` give ``{"seed": 7}`` on both.
+
+    Raises:
+        TypeError: ``from_process`` is not an int.
+        ValueError: ``from_process`` is out of range.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "broadcast_object")
+    _check_from_process(ctx, "broadcast_object", from_process)
+    if ctx.num_processes == 1:
+        return obj
+    holder: list[T] = [obj]
+    dist.broadcast_object_list(holder, src=from_process)
+    return holder[0]
+
+
+def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction) -> T:
+    """Return the element-wise sum, mean (sum / p) or max over ranks, on every rank.
+
+    New tensors are returned (an equal copy with one process); ``data`` is not
+    modified. With 2 ranks, rank 0 ``[1., 4.]`` and rank 1 ``[3., 2.]`` give sum
+    ``[4., 6.]``, mean ``[2., 3.]``, max ``[3., 4.]``.
+
+    Raises:
+        ValueError: ``reduction`` is not "sum", "mean" or "max"; on every rank, a
+            structure, shape or dtype that differs across ranks.
+        TypeError: a leaf is not a tensor, "mean" of an integer or bool tensor, or
+            "max" of a complex one.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "reduce")
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        msg = f"reduce: reduction must be 'sum', 'mean' or 'max'; got {reduction!r}."
+        raise ValueError(msg)
+    paths, leaves = _leaves(data, "reduce")
+    if ctx.num_processes > 1:
+        specs = _exchange(ctx, "reduce", paths, leaves)
+        for path, per_rank in zip(paths, specs, strict=True):
+            _check_agree("reduce", path, per_rank, 0)
+    # Checked after the exchange: dtypes now agree, so every rank raises alike.
+    for path, tensor in zip(paths, leaves, strict=True):
+        floating = tensor.is_floating_point() or tensor.is_complex()
+        if (reduction == "mean" and not floating) or (
+            reduction == "max" and tensor.is_complex()
+        ):
+            msg = f"reduce: reduction={reduction!r} is undefined for {path} of dtype {tensor.dtype}; cast it to a floating dtype or use 'sum'."
+            raise TypeError(msg)
+    out = [t.detach().clone(memory_format=torch.contiguous_format) for t in leaves]
+    op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
+    if ctx.num_processes > 1:
+        for tensor in out:
+            dist.all_reduce(tensor, op=op)
+            if reduction == "mean":
+                tensor.div_(ctx.num_processes)
+    return _map(data, out)
+
+
+def pad_across_processes(
+    ctx: DistributedContext,
+    data: T,
+    *,
+    dim: int = 0,
+    pad_index: float = 0,
+    pad_first: bool = False,
+) -> T:
+    """Pad every leaf along ``dim`` to the largest size on any rank.
+
+    Padding is ``pad_index``, after the data (before it with ``pad_first``); leaves
+    with fewer than ``dim + 1`` dims are returned as they are, as is a leaf already
+    of the largest size. ``data`` is not modified. With 2 ranks, rank 0 ``[1, 2, 3]``
+    and rank 1 ``[4]``: rank 0 keeps ``[1, 2, 3]``, rank 1 gets ``[4, 0, 0]``
+    (``[0, 0, 4]`` with ``pad_first``).
+
+    Raises:
+        TypeError: a leaf is not a tensor or ``pad_index`` is not a number.
+        ValueError: ``dim`` is not an int >= 0; on every rank, a structure that
+            differs across ranks.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "pad_across_processes")
+    _check_pad_args("pad_across_processes", dim, pad_index)
+    paths, leaves = _leaves(data, "pad_across_processes")
+    if ctx.num_processes == 1:
+        return data
+    out = []
+    for tensor, per_rank in zip(
+        leaves, _exchange(ctx, "pad_across_processes", paths, leaves), strict=True
+    ):
+        sizes = [shape[dim] for shape, _ in per_rank if len(shape) > dim]
+        if tensor.ndim <= dim:
+            out.append(tensor)
+        else:
+            out.append(
+                pad_tensor(
+                    tensor,
+                    max(sizes),
+                    dim=dim,
+                    pad_index=pad_index,
+                    pad_first=pad_first,
+                )
+            )
+    return _map(data, out)
+
+
+def _check_batch(batch: BatchInfo | None) -> None:
+    if batch is None:
+        return
+    is_last = getattr(batch, "is_last", None)
+    remainder = getattr(batch, "remainder", None)
+    if (
+        not isinstance(is_last, bool)
+        or not isinstance(remainder, int)
+        or isinstance(remainder, bool)
+    ):
+        msg = (
+            f"gather_for_metrics: batch must have is_last: bool and remainder: int "
+            f"(a record from iter_batches); got {type(batch).__name__} with "
+            f"is_last={is_last!r}, remainder={remainder!r}."
+        )
+        raise TypeError(msg)
+    if remainder < -1:
+        msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}."
+        raise ValueError(msg)
+
+
+def _all_tensors(data: object) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, Mapping):
+        return all(_all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(_all_tensors(v) for v in data)
+    return False
+
+
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: torch.Tensor,
+    *,
+    batch: BatchInfo | None = None,
+    use_gather_object: bool = False,
+) -> torch.Tensor: ...
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: list[T],
+    *,
+    batch: BatchInfo | None = None,
+    use_gather_object: bool = False,
+) -> list[T]: ...
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: tuple[T, ...],
+    *,
+    batch: BatchInfo | None = None,
+    use_gather_object: bool = False,
+) -> tuple[T, ...] | list[T]: ...
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: M,
+    *,
+    batch: BatchInfo | None = None,
+    use_gather_object: bool = False,
+) -> M: ...
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: object,
+    *,
+    batch: BatchInfo | None = None,
+    use_gather_object: bool = False,
+) -> object:
+    """Gather ``data`` from every rank, then drop the epoch's looped-back duplicates.
+
+    Objects are gathered with ``gather_object`` (``data`` must then be a list or
+    tuple) when ``use_gather_object`` is true or any leaf is not a tensor, tensors
+    with ``gather``. When ``batch.is_last`` and ``batch.remainder > 0`` only the
+    first ``remainder`` items (of the flat list) or rows (of every leaf) are kept.
+    With 2 ranks, ``n=10``, ``bs=3``, the last batch is ``[6, 7, 8]`` on rank 0 and
+    ``[9, 0, 1]`` on rank 1 with ``remainder=4``: both get ``[6, 7, 8, 9]``.
+    With one process ``data`` is returned as it is.
+
+    Raises:
+        TypeError: ``batch`` lacks ``is_last``/``remainder``, or the object path gets
+            data that is not a list or tuple.
+        ValueError: ``batch.remainder < -1``, or as ``gather``.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "gather_for_metrics")
+    _check_batch(batch)
+    limit = None
+    if batch is not None and batch.is_last and batch.remainder > 0:
+        limit = batch.remainder
+    if use_gather_object or not _all_tensors(data):
+        objects = _gather_objects(ctx, data, "gather_for_metrics", "data")
+        return data if ctx.num_processes == 1 else objects[:limit]
+    if ctx.num_processes == 1:
+        return data
+    _, leaves = _leaves(gather(ctx, data), "gather_for_metrics")
+    return _map(data, [t[:limit] for t in leaves])
