@@ -1,0 +1,495 @@
+"""Gradient accumulation as a value: ``GradState`` in, ``GradState`` out.
+
+``accumulate_step`` runs one micro-batch (forward, backward) and, every
+``accumulation_steps`` micro-batches or at the end of the data, one optimizer step
+whose gradient is the exact mean over the micro-batches of the window, a short last
+window included. The pieces it is made of are public for custom loops:
+``should_sync`` / ``should_skip_grad_sync`` (pure predicates), ``sync_ctx`` (DDP
+``no_sync`` / FSDP2 gradient-sync switch), ``window_grad_factor`` and
+``rescale_grads_`` (the ``k / m`` correction of a short window), ``advance_grad_state``
+(the next state), plus ``clip_grad_norm_`` and ``optimizer_step`` from
+``funcaccel.mixed_precision``.
+
+>>> grad = GradState(accumulation_steps=2)
+>>> should_sync(grad), should_sync(grad, end_of_dataloader=True)
+(False, True)
+>>> advance_grad_state(grad).micro_step
+1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+from typing import Final
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+from funcaccel.kwargs import AutocastKwargs
+from funcaccel.mixed_precision import _check_ctx
+from funcaccel.mixed_precision import _check_norm
+from funcaccel.mixed_precision import _check_scaler
+from funcaccel.mixed_precision import as_tuple_of
+from funcaccel.mixed_precision import autocast_ctx
+from funcaccel.mixed_precision import clip_grad_norm_
+from funcaccel.mixed_precision import optimizer_parameters
+from funcaccel.mixed_precision import optimizer_step
+from funcaccel.mixed_precision import rescale_grads_
+
+__all__ = [
+    "GradState",
+    "accumulate_step",
+    "advance_grad_state",
+    "should_skip_grad_sync",
+    "should_sync",
+    "sync_ctx",
+    "window_grad_factor",
+]
+
+# The type every field must have exactly (bool is not accepted as an int).
+_FIELD_TYPES: Final[dict[str, type]] = {
+    "accumulation_steps": int,
+    "micro_step": int,
+    "sync_gradients": bool,
+    "end_of_dataloader": bool,
+    "step_was_skipped": bool,
+    "optimizer_steps": int,
+    "sync_with_dataloader": bool,
+    "sync_each_batch": bool,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GradState:
+    """Where the loop stands in its accumulation window; the defaults start a run.
+
+    Args:
+        accumulation_steps: ``k``, micro-batches per optimizer step (>= 1).
+        micro_step: micro-batches already in the open window, ``0 <= micro_step < k``.
+        sync_gradients: whether the last micro-step synced (and stepped); true
+            exactly when ``micro_step == 0``.
+        end_of_dataloader: the ``end_of_dataloader`` flag of the last micro-step.
+        step_was_skipped: the last micro-step's optimizer step was skipped by the
+            fp16 scaler (only possible when it synced).
+        optimizer_steps: optimizer updates actually applied (>= 0).
+        sync_with_dataloader: close the window at the end of the data.
+        sync_each_batch: all-reduce on every micro-step (saves memory, costs
+            communication); the optimizer still steps every ``k`` micro-steps.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: a field out of range, or fields that no run can reach together.
+
+    >>> GradState(accumulation_steps=4, micro_step=4)
+    Traceback (most recent call last):
+    ...
+    ValueError: GradState: micro_step (4) must be in [0, accumulation_steps=4); ...
+    """
+
+    accumulation_steps: int = 1
+    micro_step: int = 0
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    step_was_skipped: bool = False
+    optimizer_steps: int = 0
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if type(value) is not kind:
+                msg = f"GradState: {name} must be a {kind.__name__}; got {value!r} ({type(value).__name__})."
+                raise TypeError(msg)
+        k = self.accumulation_steps
+        if k < 1:
+            msg = f"GradState: accumulation_steps must be >= 1; got {k}."
+            raise ValueError(msg)
+        if not 0 <= self.micro_step < k:
+            msg = (
+                f"GradState: micro_step ({self.micro_step}) must be in "
+                f"[0, accumulation_steps={k}); a window closes when it reaches {k}."
+            )
+            raise ValueError(msg)
+        if self.optimizer_steps < 0:
+            msg = (
+                f"GradState: optimizer_steps must be >= 0; got {self.optimizer_steps}."
+            )
+            raise ValueError(msg)
+        _check_reachable(self)
+
+    def to_dict(self) -> dict[str, int | bool]:
+        """Return the fields as a new plain, JSON-serialisable dict.
+
+        >>> GradState(accumulation_steps=2).to_dict()["accumulation_steps"]
+        2
+        """
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> GradState:
+        """Rebuild a state from ``to_dict()``'s output (validated as on construction).
+
+        Raises:
+            TypeError: ``data`` is not a mapping, or a value has the wrong type.
+            ValueError: a key is missing or unknown, or a value is out of range.
+
+        >>> s = GradState(accumulation_steps=3, micro_step=1, sync_gradients=False)
+        >>> GradState.from_dict(s.to_dict()) == s
+        True
+        """
+        if not isinstance(data, Mapping):
+            msg = f"GradState.from_dict: data must be a mapping; got {type(data).__name__}."
+            raise TypeError(msg)
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - set(data))
+        unknown = sorted(str(key) for key in set(data) - names)
+        if missing or unknown:
+            msg = (
+                f"GradState.from_dict: keys must be exactly those of "
+                f"GradState.to_dict(); missing {missing}, unknown {unknown}."
+            )
+            raise ValueError(msg)
+        fields: dict[str, Any] = dict(data)
+        return cls(**fields)
+
+
+def _check_reachable(state: GradState) -> None:
+    if state.sync_gradients != (state.micro_step == 0):
+        msg = (
+            f"GradState: sync_gradients ({state.sync_gradients}) must be true exactly "
+            f"when micro_step == 0; got micro_step={state.micro_step}. Pass "
+            f"sync_gradients={state.micro_step == 0}."
+        )
+        raise ValueError(msg)
+    if state.step_was_skipped and not state.sync_gradients:
+        msg = (
+            "GradState: step_was_skipped=True needs sync_gradients=True (only a "
+            "syncing micro-step steps); got sync_gradients=False."
+        )
+        raise ValueError(msg)
+    if (
+        state.end_of_dataloader
+        and state.sync_with_dataloader
+        and not state.sync_gradients
+    ):
+        msg = (
+            "GradState: end_of_dataloader=True with sync_with_dataloader=True closes "
+            "the window, so sync_gradients must be True; got False."
+        )
+        raise ValueError(msg)
+
+
+def _check_grad(grad: object, caller: str) -> None:
+    if not isinstance(grad, GradState):
+        msg = (
+            f"{caller}: grad must be a GradState; got {grad!r} ({type(grad).__name__}). "
+            "Start with GradState(accumulation_steps=k)."
+        )
+        raise TypeError(msg)
+
+
+def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
+    """Return whether the next micro-step closes the window (syncs and steps).
+
+    It does when it is the ``k``-th of the window, or when ``end_of_dataloader``
+    and ``grad.sync_with_dataloader``.
+
+    >>> grad = GradState(accumulation_steps=4, micro_step=3, sync_gradients=False)
+    >>> should_sync(grad)
+    True
+    >>> should_sync(GradState(accumulation_steps=4), end_of_dataloader=True)
+    True
+    >>> should_sync(GradState(accumulation_steps=4, sync_with_dataloader=False), end_of_dataloader=True)
+    False
+    """
+    _check_grad(grad, "should_sync")
+    if grad.micro_step + 1 == grad.accumulation_steps:
+        return True
+    return grad.sync_with_dataloader and end_of_dataloader
+
+
+def should_skip_grad_sync(
+    ctx: DistributedContext, grad: GradState, *, end_of_dataloader: bool = False
+) -> bool:
+    """Return whether the next micro-step runs inside the models' no-sync context.
+
+    True when it does not close the window, there are several processes and
+    ``grad.sync_each_batch`` is off. One process never skips anything.
+
+    >>> from funcaccel.context import DistributedType
+    >>> ctx = DistributedContext(
+    ...     num_processes=2, process_index=1, distributed_type=DistributedType.MULTI_CPU
+    ... )
+    >>> should_skip_grad_sync(ctx, GradState(accumulation_steps=2))
+    True
+    >>> should_skip_grad_sync(DistributedContext(), GradState(accumulation_steps=2))
+    False
+    """
+    if ctx.num_processes == 1 or grad.sync_each_batch:
+        return False
+    return not should_sync(grad, end_of_dataloader=end_of_dataloader)
+
+
+def window_grad_factor(grad: GradState, *, end_of_dataloader: bool = False) -> float:
+    """Return the factor the next micro-step's gradients need before the step.
+
+    Backward runs on ``loss / k``; a syncing micro-step that closes a window of
+    ``m < k`` micro-batches multiplies by ``k / m`` so that the step sees the mean
+    over the ``m`` micro-batches. Otherwise the factor is 1.
+
+    >>> window_grad_factor(GradState(accumulation_steps=2), end_of_dataloader=True)
+    2.0
+    >>> window_grad_factor(GradState(accumulation_steps=4, micro_step=2, sync_gradients=False), end_of_dataloader=True)
+    1.3333333333333333
+    """
+    if not should_sync(grad, end_of_dataloader=end_of_dataloader):
+        return 1.0
+    return grad.accumulation_steps / (grad.micro_step + 1)
+
+
+def advance_grad_state(
+    grad: GradState, *, end_of_dataloader: bool = False, step_was_skipped: bool = False
+) -> GradState:
+    """Return the state after one micro-step; ``grad`` is left unchanged.
+
+    Args:
+        grad: the state before the micro-step.
+        end_of_dataloader: whether this micro-batch was the last of the data.
+        step_was_skipped: whether the scaler skipped this micro-step's optimizer
+            step (only possible when it syncs).
+
+    Raises:
+        ValueError: ``step_was_skipped`` on a micro-step that does not sync.
+
+    >>> grad = GradState(accumulation_steps=2, micro_step=1, sync_gradients=False)
+    >>> after = advance_grad_state(grad)
+    >>> after.micro_step, after.sync_gradients, after.optimizer_steps
+    (0, True, 1)
+    >>> advance_grad_state(after, end_of_dataloader=True, step_was_skipped=True).optimizer_steps
+    1
+    """
+    synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
+    if step_was_skipped and not synced:
+        msg = (
+            "advance_grad_state: step_was_skipped=True but this micro-step does not "
+            f"sync (micro_step={grad.micro_step}, accumulation_steps="
+            f"{grad.accumulation_steps}); only a syncing micro-step can skip."
+        )
+        raise ValueError(msg)
+    return GradState(
+        accumulation_steps=grad.accumulation_steps,
+        micro_step=0 if synced else grad.micro_step + 1,
+        sync_gradients=synced,
+        end_of_dataloader=end_of_dataloader,
+        step_was_skipped=step_was_skipped,
+        optimizer_steps=grad.optimizer_steps + (synced and not step_was_skipped),
+        sync_with_dataloader=grad.sync_with_dataloader,
+        sync_each_batch=grad.sync_each_batch,
+    )
+
+
+@contextlib.contextmanager
+def _no_sync(models: tuple[nn.Module, ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if isinstance(model, DistributedDataParallel):
+                stack.enter_context(model.no_sync())
+            elif isinstance(model, FSDPModule):
+                # Registered before the switch, so it runs on error too.
+                stack.callback(model.set_requires_gradient_sync, True)
+                model.set_requires_gradient_sync(False)
+        yield
+
+
+def sync_ctx(
+    ctx: DistributedContext,
+    grad: GradState,
+    models: nn.Module | Sequence[nn.Module],
+    *,
+    end_of_dataloader: bool = False,
+) -> AbstractContextManager[object]:
+    """Return the context the next micro-step's forward and backward run in.
+
+    When ``should_skip_grad_sync`` holds, it enters DDP's ``no_sync()`` for each
+    ``DistributedDataParallel`` in ``models`` and switches FSDP2 modules to
+    ``set_requires_gradient_sync(False)``, set back to ``True`` on exit (on error
+    too); other modules are untouched. Otherwise it does nothing.
+
+    Per rank, with 2 processes and ``k=2``: micro-step 1 runs in ``no_sync`` and
+    rank 0 keeps ``g(0)/2``, rank 1 ``g(1)/2``; micro-step 2 all-reduces, so both
+    then hold ``(g(0)+g(2)+g(1)+g(3))/4``.
+
+    Raises:
+        TypeError: ``ctx``, ``grad`` or ``models`` of the wrong type.
+    """
+    _check_ctx(ctx, "sync_ctx")
+    _check_grad(grad, "sync_ctx")
+    modules = as_tuple_of(models, nn.Module, caller="sync_ctx", name="models")
+    if not should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
+        return contextlib.nullcontext()
+    return _no_sync(modules)
+
+
+def _check_loss(loss: object) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        msg = (
+            f"accumulate_step: loss_fn() must return the loss of one micro-batch as "
+            f"a torch.Tensor; got {loss!r} ({type(loss).__name__})."
+        )
+        raise TypeError(msg)
+    if loss.numel() != 1:
+        msg = (
+            f"accumulate_step: loss_fn() must return a scalar loss; got a tensor of "
+            f"shape {tuple(loss.shape)}. Reduce it first, e.g. with .mean()."
+        )
+        raise ValueError(msg)
+    if not loss.requires_grad:
+        msg = (
+            "accumulate_step: the loss from loss_fn() does not require grad; compute "
+            "it from the model's output, outside torch.no_grad()."
+        )
+        raise ValueError(msg)
+    return loss
+
+
+def _check_step_args(
+    ctx: DistributedContext,
+    grad: GradState,
+    loss_fn: object,
+    end_of_dataloader: object,
+    scaler: object,
+    max_grad_norm: object,
+) -> None:
+    caller = "accumulate_step"
+    _check_ctx(ctx, caller)
+    _check_grad(grad, caller)
+    if not callable(loss_fn):
+        msg = (
+            f"{caller}: loss_fn must be a callable taking no argument and returning "
+            f"the micro-batch loss; got {loss_fn!r} ({type(loss_fn).__name__})."
+        )
+        raise TypeError(msg)
+    if type(end_of_dataloader) is not bool:
+        msg = (
+            f"{caller}: end_of_dataloader must be a bool; got {end_of_dataloader!r} "
+            f"({type(end_of_dataloader).__name__}). Pass batch.is_last."
+        )
+        raise TypeError(msg)
+    if scaler is not None:
+        _check_scaler(scaler, caller)
+    elif ctx.mixed_precision == "fp16":
+        msg = (
+            f"{caller}: ctx.mixed_precision is 'fp16' but scaler=None; fp16 needs a "
+            "grad scaler: pass scaler=build_grad_scaler(ctx)."
+        )
+        raise ValueError(msg)
+    if max_grad_norm is not None:
+        _check_norm(caller, "max_grad_norm", max_grad_norm)
+
+
+def accumulate_step(
+    ctx: DistributedContext,
+    grad: GradState,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_fn: Callable[[], torch.Tensor],
+    *,
+    end_of_dataloader: bool = False,
+    scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
+    autocast_kwargs: AutocastKwargs | None = None,
+) -> tuple[torch.Tensor, GradState]:
+    """Run one micro-batch and, when its window closes, step the optimizer(s).
+
+    Changes the models' gradients, the optimizers and the scaler in place; ``grad``
+    is left unchanged and the next state is returned. In order:
+
+    1. The micro-step syncs iff it is the ``k``-th of its window or
+       ``end_of_dataloader`` (with ``grad.sync_with_dataloader``); it then closes a
+       window of ``m = grad.micro_step + 1`` micro-batches.
+    2. When it does not sync (several processes, no ``sync_each_batch``),
+       ``loss_fn()`` and the backward pass run in ``sync_ctx`` (DDP ``no_sync``,
+       FSDP2 gradient sync off), so gradients accumulate locally.
+    3. ``loss_fn()`` runs under ``autocast_ctx(ctx, autocast_kwargs)``; backward of
+       ``loss / k``, through ``scaler.scale`` when a scaler is given.
+    4. On a syncing micro-step only: gradients times ``k / m`` if ``m < k``; unscale
+       and clip to ``max_grad_norm`` if set; ``optimizer_step`` (every optimizer,
+       then ``scaler.update()``); ``zero_grad(set_to_none=True)``.
+
+    The step therefore sees the gradient of ``(1 / (p*m)) * sum`` of the window's
+    losses over all ranks. With 2 ranks, ``k=2`` and samples dealt 0,2,4.. / 1,3,5..:
+    after micro-step 1 rank 0 holds ``g(0)/2`` and rank 1 ``g(1)/2``; micro-step 2
+    syncs and both step with ``(g(0)+g(1)+g(2)+g(3))/4``.
+
+    Args:
+        ctx: the run's context.
+        grad: the state before this micro-step.
+        model: the model(s) the loss flows through (their no-sync contexts are
+            entered); DDP or FSDP2 modules with several processes.
+        optimizer: one optimizer or a sequence of them; all step together.
+        loss_fn: called with no argument, returns the micro-batch's scalar loss.
+        end_of_dataloader: whether this is the last micro-batch (``batch.is_last``).
+        scaler: the fp16 grad scaler (``build_grad_scaler``); required for fp16.
+        max_grad_norm: clip the total gradient norm to this before stepping.
+        autocast_kwargs: options for the autocast context.
+
+    Returns:
+        ``(loss.detach(), new_grad)``: the undivided loss and the next state.
+
+    Raises:
+        TypeError: an argument of the wrong type, or ``loss_fn()`` not returning a
+            tensor.
+        ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, or a loss that
+            is not a scalar or does not require grad.
+        RuntimeError: several processes but no matching process group.
+    """
+    _check_step_args(ctx, grad, loss_fn, end_of_dataloader, scaler, max_grad_norm)
+    models = as_tuple_of(model, nn.Module, caller="accumulate_step", name="model")
+    optimizers = as_tuple_of(
+        optimizer, torch.optim.Optimizer, caller="accumulate_step", name="optimizer"
+    )
+    k = grad.accumulation_steps
+    synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
+    if ctx.num_processes > 1:
+        require_process_group(ctx, "accumulate_step")
+    communication: AbstractContextManager[object] = contextlib.nullcontext()
+    if should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
+        communication = _no_sync(models)
+    with communication:
+        with autocast_ctx(ctx, autocast_kwargs):
+            loss = _check_loss(loss_fn())
+        scaled = loss / k
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
+        scaled.backward()  # type: ignore[no-untyped-call]
+    skipped = False
+    if synced:
+        m = grad.micro_step + 1
+        if m < k:
+            rescale_grads_(optimizers, k / m)
+        if max_grad_norm is not None:
+            clip_grad_norm_(
+                optimizer_parameters(optimizers),
+                max_grad_norm,
+                scaler=scaler,
+                optimizer=optimizers,
+            )
+        skipped = optimizer_step(optimizers, scaler=scaler)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+    new_grad = advance_grad_state(
+        grad, end_of_dataloader=end_of_dataloader, step_was_skipped=skipped
+    )
+    return loss.detach(), new_grad

@@ -1,0 +1,390 @@
+"""Mixed precision: autocast contexts, the fp16 grad scaler, unscaling and clipping.
+
+``autocast_ctx(ctx)`` runs a forward pass in the context's mixed-precision dtype
+(nothing at all with ``mixed_precision="no"``); ``build_grad_scaler(ctx)`` returns
+the ``torch.amp.GradScaler`` fp16 needs (``None`` otherwise). The helpers below do
+the scaler's part of an optimizer step, each on one optimizer or a sequence of them:
+``unscale_grads_`` (once per step, however often it is called), ``clip_grad_norm_``
+(unscales first) and ``optimizer_step`` (tells whether the scaler skipped the step).
+
+>>> ctx = DistributedContext(mixed_precision="bf16")
+>>> with autocast_ctx(ctx):
+...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+torch.bfloat16
+>>> build_grad_scaler(ctx) is None
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TypeVar
+
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.distributed.tensor import DTensor
+
+from funcaccel._typing import MixedPrecision
+from funcaccel.context import DistributedContext
+from funcaccel.kwargs import AutocastKwargs
+from funcaccel.kwargs import GradScalerKwargs
+
+__all__ = [
+    "as_tuple_of",
+    "autocast_ctx",
+    "autocast_dtype",
+    "build_grad_scaler",
+    "clip_grad_norm_",
+    "optimizer_parameters",
+    "optimizer_step",
+    "rescale_grads_",
+    "unscale_grads_",
+]
+
+T = TypeVar("T")
+
+
+def as_tuple_of(
+    value: T | Sequence[T], kind: type[T], *, caller: str, name: str
+) -> tuple[T, ...]:
+    """Return ``value`` as a non-empty tuple of ``kind``; the input is not changed.
+
+    Args:
+        value: one ``kind`` instance or a sequence of them.
+        kind: the class every item must be an instance of.
+        caller: the public function, for error messages.
+        name: the argument's name, for error messages.
+
+    Raises:
+        TypeError: ``value`` (or an item) is not a ``kind``.
+        ValueError: ``value`` is an empty sequence.
+
+    >>> as_tuple_of(3, int, caller="f", name="x")
+    (3,)
+    >>> as_tuple_of([1, 2], int, caller="f", name="x")
+    (1, 2)
+    """
+    if isinstance(value, kind):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        items = tuple(value)
+        if not items:
+            msg = f"{caller}: {name} is an empty sequence; pass at least one {kind.__name__}."
+            raise ValueError(msg)
+        for item in items:
+            if not isinstance(item, kind):
+                msg = (
+                    f"{caller}: every item of {name} must be a {kind.__name__}; got "
+                    f"{item!r} ({type(item).__name__})."
+                )
+                raise TypeError(msg)
+        return items
+    msg = (
+        f"{caller}: {name} must be a {kind.__name__} or a sequence of them; got "
+        f"{value!r} ({type(value).__name__})."
+    )
+    raise TypeError(msg)
+
+
+def _check_ctx(ctx: object, caller: str) -> None:
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}. "
+            "Build one with build_context()."
+        )
+        raise TypeError(msg)
+
+
+def autocast_dtype(mixed_precision: MixedPrecision) -> torch.dtype | None:
+    """Return the autocast dtype of a mixed-precision mode (``None`` for ``"no"``).
+
+    >>> autocast_dtype("fp16"), autocast_dtype("bf16"), autocast_dtype("no")
+    (torch.float16, torch.bfloat16, None)
+    """
+    if mixed_precision == "fp16":
+        return torch.float16
+    if mixed_precision == "bf16":
+        return torch.bfloat16
+    if mixed_precision == "no":
+        return None
+    msg = (
+        f"autocast_dtype: mixed_precision must be 'no', 'fp16' or 'bf16'; got "
+        f"{mixed_precision!r}."
+    )
+    raise ValueError(msg)
+
+
+def autocast_ctx(
+    ctx: DistributedContext, kwargs: AutocastKwargs | None = None
+) -> AbstractContextManager[object]:
+    """Return a context that autocasts to ``ctx.mixed_precision`` on ``ctx.device``.
+
+    ``"no"``: a context that does nothing (``kwargs`` ignored). ``"fp16"`` /
+    ``"bf16"``: ``torch.autocast(ctx.device.type, dtype=float16 / bfloat16,
+    **kwargs.to_kwargs())``, on CPU too. Contexts nest like ``torch.autocast``.
+
+    Args:
+        ctx: the run's context; only ``device`` and ``mixed_precision`` are read.
+        kwargs: options for ``torch.autocast`` (e.g. ``enabled=False`` to switch
+            autocast off inside an outer one).
+
+    Returns:
+        A fresh, unentered context manager.
+
+    Raises:
+        TypeError: ``ctx`` or ``kwargs`` of the wrong type.
+
+    >>> ctx = DistributedContext(mixed_precision="bf16")
+    >>> with autocast_ctx(ctx), autocast_ctx(ctx, AutocastKwargs(enabled=False)):
+    ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+    torch.float32
+    """
+    _check_ctx(ctx, "autocast_ctx")
+    if kwargs is not None and not isinstance(kwargs, AutocastKwargs):
+        msg = (
+            f"autocast_ctx: kwargs must be an AutocastKwargs or None; got "
+            f"{kwargs!r} ({type(kwargs).__name__})."
+        )
+        raise TypeError(msg)
+    dtype = autocast_dtype(ctx.mixed_precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    options = kwargs.to_kwargs() if kwargs is not None else {}
+    return torch.autocast(ctx.device.type, dtype=dtype, **options)
+
+
+def build_grad_scaler(
+    ctx: DistributedContext, kwargs: GradScalerKwargs | None = None
+) -> torch.amp.GradScaler | None:
+    """Return a new ``torch.amp.GradScaler`` for fp16, ``None`` for other modes.
+
+    The scaler is ``torch.amp.GradScaler(ctx.device.type, **kwargs.to_kwargs())``,
+    CPU included.
+
+    Raises:
+        TypeError: ``ctx`` or ``kwargs`` of the wrong type.
+
+    >>> scaler = build_grad_scaler(
+    ...     DistributedContext(mixed_precision="fp16"), GradScalerKwargs(init_scale=4)
+    ... )
+    >>> float(scaler.get_scale())
+    4.0
+    >>> build_grad_scaler(DistributedContext()) is None
+    True
+    """
+    _check_ctx(ctx, "build_grad_scaler")
+    if kwargs is not None and not isinstance(kwargs, GradScalerKwargs):
+        msg = (
+            f"build_grad_scaler: kwargs must be a GradScalerKwargs or None; got "
+            f"{kwargs!r} ({type(kwargs).__name__})."
+        )
+        raise TypeError(msg)
+    if ctx.mixed_precision != "fp16":
+        return None
+    options = kwargs.to_kwargs() if kwargs is not None else {}
+    return torch.amp.GradScaler(ctx.device.type, **options)
+
+
+def _check_scaler(scaler: object, caller: str) -> None:
+    if not isinstance(scaler, torch.amp.GradScaler):
+        msg = (
+            f"{caller}: scaler must be a torch.amp.GradScaler or None; got "
+            f"{scaler!r} ({type(scaler).__name__}). Build one with build_grad_scaler."
+        )
+        raise TypeError(msg)
+
+
+def unscale_grads_(
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+) -> int:
+    """Unscale the gradients of each optimizer in place, once per step.
+
+    ``torch.amp.GradScaler.unscale_`` raises when called twice for one optimizer
+    before ``update()``; this skips the optimizers the scaler already unscaled in
+    this step (it reads the scaler's per-optimizer stage), so clipping twice, or
+    clipping and then stepping, is safe. A disabled scaler does nothing.
+
+    Returns:
+        How many optimizers were unscaled by this call.
+
+    Raises:
+        TypeError: ``scaler`` or ``optimizer`` of the wrong type.
+    """
+    _check_scaler(scaler, "unscale_grads_")
+    optimizers = as_tuple_of(
+        optimizer, torch.optim.Optimizer, caller="unscale_grads_", name="optimizer"
+    )
+    if not scaler.is_enabled():
+        return 0
+    count = 0
+    for opt in optimizers:
+        # The stage torch itself checks before raising "unscale_() has already
+        # been called"; ``get`` avoids creating an entry in its defaultdict. After
+        # ``step()`` the stage is STEPPED and torch's own error is the right one.
+        state = scaler._per_optimizer_states.get(id(opt))
+        if state is not None and state["stage"] is OptState.UNSCALED:
+            continue
+        scaler.unscale_(opt)
+        count += 1
+    return count
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` in place to a total norm of ``max_norm``.
+
+    With a scaler the gradients of ``optimizer`` (one or several) are unscaled
+    first, once per step (see ``unscale_grads_``); ``parameters`` should be theirs.
+    Sharded (FSDP2 ``DTensor``) gradients are clipped by their global norm.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped.
+        max_norm: the largest total norm allowed (> 0; ``math.inf`` only measures).
+        norm_type: the p of the p-norm (``math.inf`` for the max norm).
+        scaler: the fp16 grad scaler, if any.
+        optimizer: the optimizer(s) owning ``parameters``; required with a scaler.
+
+    Returns:
+        The total norm of the gradients before clipping, a plain (0-dim) tensor.
+
+    Raises:
+        ValueError: ``max_norm`` not > 0, or a scaler without an optimizer.
+        TypeError: an argument of the wrong type.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grad_norm_([w], 1.0).item(), [round(g, 4) for g in w.grad.tolist()]
+    (5.0, [0.6, 0.8])
+    """
+    _check_norm("clip_grad_norm_", "max_norm", max_norm)
+    _check_norm("clip_grad_norm_", "norm_type", norm_type)
+    if scaler is not None:
+        _check_scaler(scaler, "clip_grad_norm_")
+        if optimizer is None:
+            msg = (
+                "clip_grad_norm_: a scaler was given but optimizer=None; pass the "
+                "optimizer(s) owning the parameters so their gradients are unscaled "
+                "before clipping."
+            )
+            raise ValueError(msg)
+        unscale_grads_(scaler, optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+def _check_norm(caller: str, name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        msg = f"{caller}: {name} must be a number; got {value!r} ({type(value).__name__})."
+        raise TypeError(msg)
+    if math.isnan(value) or value <= 0:
+        msg = f"{caller}: {name} must be > 0; got {value!r}. Use e.g. 1.0."
+        raise ValueError(msg)
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+) -> bool:
+    """Step each optimizer in place (through ``scaler``, then ``scaler.update()``).
+
+    Without a scaler every ``optimizer.step()`` runs and the result is ``False``.
+    With one, ``scaler.step`` runs for each optimizer, then ``scaler.update()``
+    once. The step counts as *skipped* when the scaler found inf/NaN gradients for
+    any of the optimizers; it then did not call that ``optimizer.step`` (a fused
+    optimizer is handed the flag and skips inside its kernel).
+
+    The skip is read from the scaler's own per-optimizer inf record, the very value
+    ``scaler.step`` tested, before ``update()`` clears it. Comparing the scale
+    before and after ``update()`` is not reliable: the scale cannot shrink once it
+    has underflowed to 0, a hand-built scaler may have ``backoff_factor=1``, a
+    disabled scaler keeps a constant scale, and with several optimizers it cannot
+    tell which one skipped.
+
+    Returns:
+        Whether the step was skipped (for any optimizer) by the scaler.
+
+    Raises:
+        TypeError: ``optimizer`` or ``scaler`` of the wrong type.
+    """
+    optimizers = as_tuple_of(
+        optimizer, torch.optim.Optimizer, caller="optimizer_step", name="optimizer"
+    )
+    if scaler is None:
+        for opt in optimizers:
+            opt.step()
+        return False
+    _check_scaler(scaler, "optimizer_step")
+    if not scaler.is_enabled():
+        for opt in optimizers:
+            scaler.step(opt)
+        return False
+    skipped = False
+    for opt in optimizers:
+        scaler.step(opt)
+        found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+        skipped = skipped or any(bool(v.item()) for v in found.values())
+    scaler.update()
+    return skipped
+
+
+def optimizer_parameters(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+) -> list[torch.Tensor]:
+    """Return the parameters of every optimizer's groups, each once, in order.
+
+    >>> w = torch.nn.Parameter(torch.zeros(1))
+    >>> opts = [torch.optim.SGD([w], lr=0.1), torch.optim.SGD([w], lr=0.2)]
+    >>> len(optimizer_parameters(opts))
+    1
+    """
+    optimizers = as_tuple_of(
+        optimizer,
+        torch.optim.Optimizer,
+        caller="optimizer_parameters",
+        name="optimizer",
+    )
+    seen: dict[int, torch.Tensor] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def rescale_grads_(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], factor: float
+) -> int:
+    """Multiply, in place, the gradients of every optimizer's parameters by ``factor``.
+
+    Returns:
+        How many gradients were scaled (parameters without a gradient are skipped).
+
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> w.grad = torch.tensor([1.0, 2.0])
+    >>> rescale_grads_(torch.optim.SGD([w], lr=0.1), 2.0), w.grad.tolist()
+    (1, [2.0, 4.0])
+    """
+    optimizers = as_tuple_of(
+        optimizer, torch.optim.Optimizer, caller="rescale_grads_", name="optimizer"
+    )
+    count = 0
+    with torch.no_grad():
+        for param in optimizer_parameters(optimizers):
+            if param.grad is not None:
+                param.grad.mul_(factor)
+                count += 1
+    return count
