@@ -37,9 +37,7 @@ def _check_int(where: str, name: str, value: object, minimum: int) -> int:
         msg = f"{where}: {name} must be an int, got {value!r} of type {type(value).__name__}; pass an int >= {minimum}."
         raise TypeError(msg)
     if value < minimum:
-        msg = (
-            f"{where}: {name} ({value}) must be >= {minimum}; pass an int >= {minimum}."
-        )
+        msg = f"{where}: {name} ({value}) must be >= {minimum}; pass a larger value."
         raise ValueError(msg)
     return value
 
@@ -52,21 +50,18 @@ def _check_bool(where: str, name: str, value: object) -> bool:
 
 
 def _check_world(
-    where: str, num_processes: object, process_index: object, split_batches: object
+    where: str, num_processes: object, index: object, split: object, bs: int | None
 ) -> None:
+    """Check ``num_processes``, ``process_index`` and the split batch size."""
     p = _check_int(where, "num_processes", num_processes, 1)
-    i = _check_int(where, "process_index", process_index, 0)
+    i = _check_int(where, "process_index", index, 0)
     if i >= p:
         msg = f"{where}: process_index ({i}) must be in [0, num_processes={p}); pass this process's rank, below {p}."
         raise ValueError(msg)
-    _check_bool(where, "split_batches", split_batches)
-
-
-def _check_split(where: str, batch_size: int | None, num_processes: int) -> None:
-    if batch_size is None or batch_size % num_processes != 0:
+    if _check_bool(where, "split_batches", split) and (bs is None or bs % p):
         msg = (
-            f"{where}: batch_size ({batch_size}) must be a multiple of num_processes ({num_processes}) "
-            f"when split_batches=True; use a batch size divisible by {num_processes} or split_batches=False."
+            f"{where}: batch_size ({bs}) must be a multiple of num_processes ({p}) "
+            f"when split_batches=True; use a batch size divisible by {p} or split_batches=False."
         )
         raise ValueError(msg)
 
@@ -101,17 +96,14 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if not isinstance(self.batch_sampler, Iterable):
             msg = f"{_caller}: batch_sampler must be an iterable of index lists, got {type(self.batch_sampler).__name__}; pass a torch BatchSampler or similar."
             raise TypeError(msg)
-        _check_world(
-            _caller, self.num_processes, self.process_index, self.split_batches
-        )
-        _check_bool(_caller, "even_batches", self.even_batches)
         size: Any = getattr(self.batch_sampler, "batch_size", None)
         drop_last: Any = getattr(self.batch_sampler, "drop_last", False)
         if size is not None:
             _check_int(_caller, "batch_sampler.batch_size", size, 1)
         _check_bool(_caller, "batch_sampler.drop_last", drop_last)
-        if self.split_batches:
-            _check_split(_caller, size, self.num_processes)
+        _check_bool(_caller, "even_batches", self.even_batches)
+        args = (self.num_processes, self.process_index, self.split_batches, size)
+        _check_world(_caller, *args)
         object.__setattr__(self, "batch_size", size)
         object.__setattr__(self, "drop_last", drop_last)
 
@@ -123,11 +115,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return self.batch_size * self.num_processes
 
     def __len__(self) -> int:
-        """Return the number of batches this rank yields per epoch (SPEC §2).
-
-        Raises:
-            TypeError: If the base batch sampler has no ``len()``.
-        """
+        """Return the batches this rank yields per epoch; ``TypeError`` if the base is unsized."""
         if not isinstance(self.batch_sampler, Sized):
             msg = f"{type(self).__name__}.__len__: the base batch sampler ({type(self.batch_sampler).__name__}) has no len(); give it a __len__ or do not ask for len()."
             raise TypeError(msg)
@@ -326,13 +314,10 @@ class ShardedIterableDataset(IterableDataset[_T]):
         if not isinstance(self.dataset, Iterable):
             msg = f"{_caller}: dataset must be iterable, got {type(self.dataset).__name__}; pass an IterableDataset or another iterable."
             raise TypeError(msg)
-        _check_int(_caller, "batch_size", self.batch_size, 1)
+        size = _check_int(_caller, "batch_size", self.batch_size, 1)
         _check_bool(_caller, "drop_last", self.drop_last)
-        _check_world(
-            _caller, self.num_processes, self.process_index, self.split_batches
-        )
-        if self.split_batches:
-            _check_split(_caller, self.batch_size, self.num_processes)
+        args = (self.num_processes, self.process_index, self.split_batches, size)
+        _check_world(_caller, *args)
 
     @property
     def total_batch_size(self) -> int:
@@ -345,11 +330,7 @@ class ShardedIterableDataset(IterableDataset[_T]):
         return self.batch_size // (self.num_processes if self.split_batches else 1)
 
     def __len__(self) -> int:
-        """Return the number of samples this rank yields per epoch (SPEC §3).
-
-        Raises:
-            TypeError: If the wrapped dataset has no ``len()``.
-        """
+        """Return the samples this rank yields per epoch; ``TypeError`` if the dataset is unsized."""
         if not isinstance(self.dataset, Sized):
             msg = f"{type(self).__name__}.__len__: the dataset ({type(self.dataset).__name__}) has no len(); give it a __len__ or do not ask for len()."
             raise TypeError(msg)

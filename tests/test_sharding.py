@@ -6,9 +6,12 @@ import dataclasses
 import itertools
 import pickle
 from collections import Counter
+from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
+from typing import overload
 
 import pytest
 import torch
@@ -40,13 +43,12 @@ def sequential_base(
 
 
 def all_ranks(
-    base: object,
+    base: Iterable[Sequence[int]],
     num_processes: int,
     *,
     split_batches: bool = False,
     even_batches: bool = True,
 ) -> list[ShardedBatchSampler]:
-    assert isinstance(base, (BatchSampler, ListBatchSampler))
     return [
         shard_batch_sampler(
             base,
@@ -258,34 +260,37 @@ def test_sharded_batch_sampler_constructor_validates_too() -> None:
     ],
 )
 def test_shard_functions_reject_bad_world(
-    num_processes: object, process_index: object, error: type[Exception], pattern: str
+    num_processes: Any, process_index: Any, error: type[Exception], pattern: str
 ) -> None:
     with pytest.raises(error, match=r"^shard_batch_sampler: " + pattern):
         shard_batch_sampler(
             sequential_base(4, 2),
-            num_processes=num_processes,  # type: ignore[arg-type]
-            process_index=process_index,  # type: ignore[arg-type]
+            num_processes=num_processes,
+            process_index=process_index,
         )
     with pytest.raises(error, match=r"^shard_iterable_dataset: " + pattern):
         shard_iterable_dataset(
             range(4),
-            num_processes=num_processes,  # type: ignore[arg-type]
-            process_index=process_index,  # type: ignore[arg-type]
+            num_processes=num_processes,
+            process_index=process_index,
         )
 
 
 def test_shard_batch_sampler_rejects_bad_base() -> None:
+    not_iterable: Any = 42
+    yes: Any = "yes"
+    one: Any = 1
     with pytest.raises(
         TypeError, match=r"^shard_batch_sampler: batch_sampler must be an iterable"
     ):
-        shard_batch_sampler(42, num_processes=1, process_index=0)  # type: ignore[arg-type]
+        shard_batch_sampler(not_iterable, num_processes=1, process_index=0)
     zero = ListBatchSampler([[0]], batch_size=0)
     with pytest.raises(
         ValueError, match=r"batch_sampler\.batch_size \(0\) must be >= 1"
     ):
         shard_batch_sampler(zero, num_processes=1, process_index=0)
     odd = ListBatchSampler([[0]], batch_size=2)
-    odd.drop_last = "yes"  # type: ignore[assignment]
+    odd.drop_last = yes
     with pytest.raises(
         TypeError, match=r"batch_sampler\.drop_last must be a bool, got 'yes'"
     ):
@@ -295,7 +300,7 @@ def test_shard_batch_sampler_rejects_bad_base() -> None:
             sequential_base(4, 2),
             num_processes=1,
             process_index=0,
-            even_batches=1,  # type: ignore[arg-type]
+            even_batches=one,
         )
 
 
@@ -437,7 +442,13 @@ class SliceCounting(Sequence[int]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, key: int | slice) -> int | list[int]:  # type: ignore[override]
+    @overload
+    def __getitem__(self, key: int) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> list[int]: ...
+
+    def __getitem__(self, key: int | slice) -> int | list[int]:
         if isinstance(key, slice):
             self.log.append(self.indices[0])
             return self.indices[key]
@@ -465,7 +476,7 @@ def test_iter_from_does_not_slice_skipped_batches() -> None:
 
 
 class Stream(IterableDataset[int]):
-    """``0 .. n-1`` in order; sized unless ``sized=False``; records ``set_epoch``."""
+    """``0 .. n-1`` in order, sized; records the epochs given to ``set_epoch``."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -542,19 +553,20 @@ def test_shard_iterable_dataset_matches_spec_table(
     ],
 )
 def test_shard_iterable_dataset_rejects_bad_options(
-    kwargs: dict[str, object], error: type[Exception], pattern: str
+    kwargs: dict[str, Any], error: type[Exception], pattern: str
 ) -> None:
     with pytest.raises(error, match=r"^shard_iterable_dataset: " + pattern):
-        shard_iterable_dataset(range(3), **kwargs)  # type: ignore[arg-type]
+        shard_iterable_dataset(range(3), **kwargs)
     with pytest.raises(error, match=r"^ShardedIterableDataset: " + pattern):
-        ShardedIterableDataset(dataset=range(3), **kwargs)  # type: ignore[arg-type]
+        ShardedIterableDataset(dataset=range(3), **kwargs)
 
 
 def test_shard_iterable_dataset_rejects_a_non_iterable() -> None:
+    not_iterable: Any = 3
     with pytest.raises(
         TypeError, match=r"^shard_iterable_dataset: dataset must be iterable, got int"
     ):
-        shard_iterable_dataset(3)  # type: ignore[arg-type]
+        shard_iterable_dataset(not_iterable)
 
 
 def test_sharded_iterable_dataset_len_needs_a_sized_dataset() -> None:
