@@ -624,7 +624,7 @@ def test_sharded_iterable_dataset_iter_from() -> None:
 # --- properties ------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(shard_cases())
 def test_shards_follow_the_spec_transcription(case: ShardCase) -> None:
     expected = spec_shards(
@@ -641,7 +641,7 @@ def test_shards_follow_the_spec_transcription(case: ShardCase) -> None:
     assert [len(shard) for shard in shards] == [len(batches) for batches in got]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(shard_cases())
 def test_shards_count_cover_and_loop_back_as_the_spec_says(case: ShardCase) -> None:
     shards = case.shards()
@@ -670,7 +670,7 @@ def test_shards_count_cover_and_loop_back_as_the_spec_says(case: ShardCase) -> N
         assert extras == Counter(first[t % len(first)] for t in range(len(flat) - n))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(dynamic_batches(), st.integers(1, 5), st.booleans(), st.booleans())
 def test_dynamic_shards_follow_the_spec(
     batches: Batches, p: int, even: bool, drop_last: bool
@@ -727,7 +727,7 @@ def accelerate_data_loader() -> ModuleType:
     return module
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(case=shard_cases(max_n=80))
 def test_batches_match_accelerate(
     accelerate_data_loader: ModuleType, case: ShardCase
