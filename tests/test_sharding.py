@@ -323,6 +323,17 @@ def test_sharded_batch_sampler_is_a_frozen_sampler_with_its_options() -> None:
     assert list(base) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]  # base unchanged
 
 
+def test_replace_gives_another_rank_and_revalidates() -> None:
+    shard = shard_batch_sampler(
+        sequential_base(10, 3), num_processes=2, process_index=0
+    )
+    assert list(dataclasses.replace(shard, process_index=1)) == [[3, 4, 5], [9, 0, 1]]
+    with pytest.raises(ValueError, match=r"^ShardedBatchSampler: process_index \(2\)"):
+        dataclasses.replace(shard, process_index=2)
+    stream = shard_iterable_dataset(range(5), batch_size=2, num_processes=2)
+    assert list(dataclasses.replace(stream, process_index=1)) == [2, 3, 1, 2]
+
+
 def test_split_shard_reports_the_global_batch_size() -> None:
     shard = shard_batch_sampler(
         sequential_base(10, 4), num_processes=2, process_index=0, split_batches=True
