@@ -19,6 +19,10 @@ from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.kwargs import InitProcessGroupKwargs
 from funcaccel.kwargs import KwargsHandler
 from funcaccel.kwargs import ProfileKwargs
+from funcaccel.sharding import ShardedBatchSampler
+from funcaccel.sharding import ShardedIterableDataset
+from funcaccel.sharding import shard_batch_sampler
+from funcaccel.sharding import shard_iterable_dataset
 
 __version__ = "0.1.0"
 
@@ -32,7 +36,11 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProfileKwargs",
+    "ShardedBatchSampler",
+    "ShardedIterableDataset",
     "build_context",
     "close_context",
     "context_from_env",
+    "shard_batch_sampler",
+    "shard_iterable_dataset",
 ]
