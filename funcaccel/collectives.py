@@ -77,18 +77,18 @@ def _flatten(data: object, caller: str, path: str = "data") -> list[tuple[str, A
     elif isinstance(data, (list, tuple)):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(data)]
     else:
-        msg = (
-            f"{caller}: {path} is a {type(data).__name__} ({data!r:.60}); data must be "
-            "a tensor or a list / tuple / dict of tensors; convert the leaf with "
-            "torch.as_tensor or use gather_object for arbitrary objects."
-        )
+        msg = f"{caller}: {path} is a {type(data).__name__} ({data!r:.60}); data must be a tensor or a list / tuple / dict of tensors; convert the leaf with torch.as_tensor or use gather_object for arbitrary objects."
         raise TypeError(msg)
     return [pair for p, v in items for pair in _flatten(v, caller, p)]
 
 
-def _leaves(data: object, caller: str) -> tuple[list[str], list[torch.Tensor]]:
+def _leaves(
+    data: object, caller: str, *, rows: bool = False
+) -> tuple[list[str], list[torch.Tensor]]:
+    """Return the leaf paths and leaves; with ``rows``, 0-d leaves as shape ``[1]``."""
     pairs = _flatten(data, caller)
-    return [p for p, _ in pairs], [t for _, t in pairs]
+    leaves = [t.reshape(1) if rows and t.ndim == 0 else t for _, t in pairs]
+    return [p for p, _ in pairs], leaves
 
 
 def _rebuild(data: Any, leaves: Iterator[torch.Tensor]) -> Any:
@@ -109,22 +109,32 @@ def _map(data: T, leaves: list[torch.Tensor]) -> T:
     return rebuilt
 
 
+def _spec(paths: list[str], leaves: list[torch.Tensor]) -> _Spec:
+    return paths, [(tuple(t.shape), str(t.dtype)) for t in leaves]
+
+
+def _all_gather_objects(ctx: DistributedContext, obj: object) -> list[Any]:
+    every: list[Any] = [None] * ctx.num_processes
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def _per_leaf(
+    caller: str, paths: list[str], specs: list[_Spec]
+) -> list[list[tuple[tuple[int, ...], str]]]:
+    """Check every rank has the same leaves; return each leaf's (shape, dtype)s."""
+    if any(spec[0] != paths for spec in specs):
+        listing = "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(specs))
+        msg = f"{caller}: data has a different structure on different ranks ({listing}); pass the same nesting, keys and key order on every rank."
+        raise ValueError(msg)
+    return [[spec[1][i] for spec in specs] for i in range(len(paths))]
+
+
 def _exchange(
     ctx: DistributedContext, caller: str, paths: list[str], leaves: list[torch.Tensor]
 ) -> list[list[tuple[tuple[int, ...], str]]]:
-    """All-gather every rank's leaf shapes and dtypes; same structure on all ranks."""
-    local: _Spec = (paths, [(tuple(t.shape), str(t.dtype)) for t in leaves])
-    every: list[Any] = [None] * ctx.num_processes
-    dist.all_gather_object(every, local)
-    specs: list[_Spec] = every
-    if any(spec[0] != paths for spec in specs):
-        listing = "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(specs))
-        msg = (
-            f"{caller}: data has a different structure on different ranks ({listing}); "
-            "pass the same nesting, keys and key order on every rank."
-        )
-        raise ValueError(msg)
-    return [[spec[1][i] for spec in specs] for i in range(len(paths))]
+    """All-gather every rank's leaf shapes and dtypes before any tensor moves."""
+    return _per_leaf(caller, paths, _all_gather_objects(ctx, _spec(paths, leaves)))
 
 
 def _check_agree(
@@ -135,10 +145,7 @@ def _check_agree(
     if len(keys) > 1:
         listing = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(per_rank))
         rule = "every dim but 0" if first else "the shape"
-        msg = (
-            f"{caller}: {path} must have the same dtype and {rule} on every rank; got "
-            f"{listing}. Cast to one dtype and pad with pad_across_processes first."
-        )
+        msg = f"{caller}: {path} must have the same dtype and {rule} on every rank; got {listing}. Cast to one dtype and pad with pad_across_processes first."
         raise ValueError(msg)
 
 
@@ -149,10 +156,7 @@ def _check_from_process(
         msg = f"{caller}: from_process must be an int; got {from_process!r}."
         raise TypeError(msg)
     if not 0 <= from_process < ctx.num_processes:
-        msg = (
-            f"{caller}: from_process ({from_process}) must be in "
-            f"[0, num_processes={ctx.num_processes}); pass the rank to copy from."
-        )
+        msg = f"{caller}: from_process ({from_process}) must be in [0, num_processes={ctx.num_processes}); pass the rank to copy from."
         raise ValueError(msg)
 
 
@@ -169,7 +173,8 @@ def pad_tensor(
     Pure; ``tensor`` is not modified, and is returned itself when already ``size`` long.
 
     Raises:
-        TypeError: ``tensor`` is not a tensor or ``pad_index`` not a number.
+        TypeError: ``tensor`` is not a tensor, ``dim`` not an int or ``pad_index``
+            not a number.
         ValueError: ``dim`` not in ``[0, tensor.ndim)``, ``size`` below the current
             size, or a fractional ``pad_index`` for an integer tensor.
 
@@ -203,8 +208,13 @@ def pad_tensor(
 
 
 def _check_pad_args(caller: str, dim: int, pad_index: float) -> None:
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-        msg = f"{caller}: dim must be an int >= 0; got {dim!r}. Count dims from 0."
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        msg = f"{caller}: dim must be an int; got {dim!r} ({type(dim).__name__})."
+        raise TypeError(msg)
+    if dim < 0:
+        msg = (
+            f"{caller}: dim must be >= 0; got {dim}. Count dims from 0 (no negatives)."
+        )
         raise ValueError(msg)
     if not isinstance(pad_index, (int, float)):
         msg = f"{caller}: pad_index must be a number; got {pad_index!r}."
@@ -224,43 +234,42 @@ def gather(ctx: DistributedContext, data: T) -> T:
         RuntimeError: no process group matches ``ctx``.
     """
     require_process_group(ctx, "gather")
-    paths, leaves = _leaves(data, "gather")
+    paths, flat = _leaves(data, "gather", rows=True)
     if ctx.num_processes == 1:
         return data
-    flat = [t.reshape(1) if t.ndim == 0 else t for t in leaves]
     specs = _exchange(ctx, "gather", paths, flat)
+    return _map(data, _gather_rows(ctx, "gather", paths, flat, specs))
+
+
+def _gather_rows(
+    ctx: DistributedContext,
+    caller: str,
+    paths: list[str],
+    flat: list[torch.Tensor],
+    specs: list[list[tuple[tuple[int, ...], str]]],
+) -> list[torch.Tensor]:
     out = []
     for path, tensor, per_rank in zip(paths, flat, specs, strict=True):
-        _check_agree("gather", path, per_rank, 1)
+        _check_agree(caller, path, per_rank, 1)
+        # gloo's all_gather needs equal shapes: pad to the longest, trim after.
         sizes = [shape[0] for shape, _ in per_rank]
         send = pad_tensor(tensor, max(sizes)).contiguous()
         buffers = [torch.empty_like(send) for _ in sizes]
         dist.all_gather(buffers, send)
         out.append(torch.cat([b[:n] for b, n in zip(buffers, sizes, strict=True)]))
-    return _map(data, out)
+    return out
 
 
-def _gather_objects(
-    ctx: DistributedContext, obj: object, caller: str, name: str
-) -> list[Any]:
-    every: list[Any] = [obj]
-    if ctx.num_processes > 1:
-        # Exchange first, check after: every rank sees every rank's type alike.
-        every = [None] * ctx.num_processes
-        dist.all_gather_object(every, obj)
+def _join_objects(caller: str, name: str, every: list[Any]) -> list[Any]:
+    """Concatenate every rank's list or tuple, or raise naming the ranks that aren't."""
     bad = [
         f"rank {r}: {type(o).__name__}"
         for r, o in enumerate(every)
         if not isinstance(o, (list, tuple))
     ]
     if bad:
-        msg = (
-            f"{caller}: {name} must be a list or tuple on every rank; got "
-            f"{', '.join(bad)}; wrap a single object as [{name}]."
-        )
+        msg = f"{caller}: {name} must be a list or tuple on every rank; got {', '.join(bad)}; wrap a single object as [{name}]."
         raise TypeError(msg)
-    if ctx.num_processes == 1:
-        return obj if isinstance(obj, list) else list(every[0])
     return [item for part in every for item in part]
 
 
@@ -276,7 +285,11 @@ def gather_object(ctx: DistributedContext, obj: list[T] | tuple[T, ...]) -> list
         RuntimeError: no process group matches ``ctx``.
     """
     require_process_group(ctx, "gather_object")
-    out: list[T] = _gather_objects(ctx, obj, "gather_object", "obj")
+    if ctx.num_processes == 1:
+        _join_objects("gather_object", "obj", [obj])
+        return obj if isinstance(obj, list) else list(obj)
+    # Exchange first, check after: every rank sees every rank's type alike.
+    out: list[T] = _join_objects("gather_object", "obj", _all_gather_objects(ctx, obj))
     return out
 
 
@@ -387,8 +400,9 @@ def pad_across_processes(
     (``[0, 0, 4]`` with ``pad_first``).
 
     Raises:
-        TypeError: a leaf is not a tensor or ``pad_index`` is not a number.
-        ValueError: ``dim`` is not an int >= 0; on every rank, a structure that
+        TypeError: a leaf is not a tensor, ``dim`` not an int or ``pad_index`` not
+            a number.
+        ValueError: ``dim`` is negative; on every rank, a structure that
             differs across ranks.
         RuntimeError: no process group matches ``ctx``.
     """
@@ -397,23 +411,17 @@ def pad_across_processes(
     paths, leaves = _leaves(data, "pad_across_processes")
     if ctx.num_processes == 1:
         return data
-    out = []
-    for tensor, per_rank in zip(
-        leaves, _exchange(ctx, "pad_across_processes", paths, leaves), strict=True
-    ):
-        sizes = [shape[dim] for shape, _ in per_rank if len(shape) > dim]
-        if tensor.ndim <= dim:
-            out.append(tensor)
-        else:
-            out.append(
-                pad_tensor(
-                    tensor,
-                    max(sizes),
-                    dim=dim,
-                    pad_index=pad_index,
-                    pad_first=pad_first,
-                )
-            )
+    specs = _exchange(ctx, "pad_across_processes", paths, leaves)
+    longest = [
+        max((s[dim] for s, _ in per_rank if len(s) > dim), default=0)
+        for per_rank in specs
+    ]
+    out = [
+        t
+        if t.ndim <= dim
+        else pad_tensor(t, n, dim=dim, pad_index=pad_index, pad_first=pad_first)
+        for t, n in zip(leaves, longest, strict=True)
+    ]
     return _map(data, out)
 
 
@@ -427,11 +435,7 @@ def _check_batch(batch: BatchInfo | None) -> None:
         or not isinstance(remainder, int)
         or isinstance(remainder, bool)
     ):
-        msg = (
-            f"gather_for_metrics: batch must have is_last: bool and remainder: int "
-            f"(a record from iter_batches); got {type(batch).__name__} with "
-            f"is_last={is_last!r}, remainder={remainder!r}."
-        )
+        msg = f"gather_for_metrics: batch must have is_last: bool and remainder: int (a record from iter_batches); got {type(batch).__name__} with is_last={is_last!r}, remainder={remainder!r}."
         raise TypeError(msg)
     if remainder < -1:
         msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}."
@@ -453,32 +457,32 @@ def gather_for_metrics(
     ctx: DistributedContext,
     data: torch.Tensor,
     *,
-    batch: BatchInfo | None = None,
-    use_gather_object: bool = False,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
 ) -> torch.Tensor: ...
 @overload
 def gather_for_metrics(
     ctx: DistributedContext,
     data: list[T],
     *,
-    batch: BatchInfo | None = None,
-    use_gather_object: bool = False,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
 ) -> list[T]: ...
 @overload
 def gather_for_metrics(
     ctx: DistributedContext,
     data: tuple[T, ...],
     *,
-    batch: BatchInfo | None = None,
-    use_gather_object: bool = False,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
 ) -> tuple[T, ...] | list[T]: ...
 @overload
 def gather_for_metrics(
     ctx: DistributedContext,
     data: M,
     *,
-    batch: BatchInfo | None = None,
-    use_gather_object: bool = False,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
 ) -> M: ...
 def gather_for_metrics(
     ctx: DistributedContext,
@@ -503,15 +507,29 @@ def gather_for_metrics(
         ValueError: ``batch.remainder < -1``, or as ``gather``.
         RuntimeError: no process group matches ``ctx``.
     """
-    require_process_group(ctx, "gather_for_metrics")
+    caller = "gather_for_metrics"
+    require_process_group(ctx, caller)
     _check_batch(batch)
     limit = None
     if batch is not None and batch.is_last and batch.remainder > 0:
         limit = batch.remainder
-    if use_gather_object or not _all_tensors(data):
-        objects = _gather_objects(ctx, data, "gather_for_metrics", "data")
-        return data if ctx.num_processes == 1 else objects[:limit]
+    objects = use_gather_object or not _all_tensors(data)
     if ctx.num_processes == 1:
+        if objects:
+            _join_objects(caller, "data", [data])
         return data
-    _, leaves = _leaves(gather(ctx, data), "gather_for_metrics")
-    return _map(data, [t[:limit] for t in leaves])
+    paths, flat = ([], []) if objects else _leaves(data, caller, rows=True)
+    # One exchange settles the path: objects as soon as any rank needs them (an
+    # empty list holds no non-tensor leaf, so ranks can disagree).
+    every = _all_gather_objects(ctx, (objects, data if objects else _spec(paths, flat)))
+    if any(wanted for wanted, _ in every):
+        if not all(wanted for wanted, _ in every):
+            late = _all_gather_objects(ctx, None if objects else data)
+            every = [
+                (True, x if w else y) for (w, x), y in zip(every, late, strict=True)
+            ]
+        return _join_objects(caller, "data", [x for _, x in every])[:limit]
+    specs = _per_leaf(caller, paths, [spec for _, spec in every])
+    return _map(
+        data, [t[:limit] for t in _gather_rows(ctx, caller, paths, flat, specs)]
+    )
