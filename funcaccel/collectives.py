@@ -153,7 +153,7 @@ def _check_from_process(
     ctx: DistributedContext, caller: str, from_process: int
 ) -> None:
     if not isinstance(from_process, int) or isinstance(from_process, bool):
-        msg = f"{caller}: from_process must be an int; got {from_process!r}."
+        msg = f"{caller}: from_process must be an int; got {from_process!r}; pass the source rank as an int."
         raise TypeError(msg)
     if not 0 <= from_process < ctx.num_processes:
         msg = f"{caller}: from_process ({from_process}) must be in [0, num_processes={ctx.num_processes}); pass the rank to copy from."
@@ -217,7 +217,7 @@ def _check_pad_args(caller: str, dim: int, pad_index: float) -> None:
         )
         raise ValueError(msg)
     if not isinstance(pad_index, (int, float)):
-        msg = f"{caller}: pad_index must be a number; got {pad_index!r}."
+        msg = f"{caller}: pad_index must be a number; got {pad_index!r}; pass an int or a float."
         raise TypeError(msg)
 
 
@@ -438,7 +438,7 @@ def _check_batch(batch: BatchInfo | None) -> None:
         msg = f"gather_for_metrics: batch must have is_last: bool and remainder: int (a record from iter_batches); got {type(batch).__name__} with is_last={is_last!r}, remainder={remainder!r}."
         raise TypeError(msg)
     if remainder < -1:
-        msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}."
+        msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}; pass the record iter_batches yields."
         raise ValueError(msg)
 
 

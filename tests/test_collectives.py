@@ -560,6 +560,19 @@ def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
         torch.ones([2, 2 + rank] if rank != 1 else [7]),
         dim=1,
     )
+    run("pad structure mismatch", pad_across_processes, [torch.ones(1)] * (rank + 1))
+    grad = {"w": torch.ones(rank + 1, 2, requires_grad=True)}
+    out["grad inputs"] = [
+        _checked(lambda d: gather(ctx, d), grad),
+        _checked(
+            lambda d: reduce(ctx, d, reduction="sum"),
+            {"w": torch.ones(2, requires_grad=True)},
+        ),
+        _checked(lambda d: broadcast(ctx, d), {"w": torch.ones(2, requires_grad=True)}),
+    ]
+    out["grad pad"] = _checked(lambda d: pad_across_processes(ctx, d), grad)[
+        "w"
+    ].detach()
     for case in range(12):
         run(
             f"pad random {case}",
@@ -704,6 +717,9 @@ def test_gather_mismatch_is_a_value_error_on_every_rank(dist_results: Results) -
         and "different structure" in msg
         and "rank 1: [\"data['k1']\"]" in msg
     )
+    kind, msg = on_every_rank(dist_results, "pad structure mismatch")
+    assert kind == "ValueError"
+    assert msg.startswith("pad_across_processes: data has a different structure")
     kind, msg = on_every_rank(dist_results, "gather bad leaf")
     assert (kind, msg.split(" (")[0]) == ("TypeError", "gather: data[1] is a str")
     assert on_every_rank(dist_results, "gather after errors").tolist() == list(
@@ -818,6 +834,20 @@ def test_pad_across_processes_other_dims_and_low_rank_leaves(
             expected_mixed = torch.zeros(2, widest)
             expected_mixed[:, : 2 + rank] = 1.0
             assert_tree_equal(mixed, expected_mixed)
+
+
+@pytest.mark.distributed
+def test_tensors_that_require_grad_are_accepted(dist_results: Results) -> None:
+    world, per_rank = dist_results
+    gathered, summed, broadcast_ = on_every_rank(dist_results, "grad inputs")
+    rows = sum(r + 1 for r in range(world))
+    assert_tree_equal(gathered, {"w": torch.ones(rows, 2)})
+    assert_tree_equal(summed, {"w": torch.full((2,), float(world))})
+    assert_tree_equal(broadcast_, {"w": torch.ones(2)})
+    for rank in range(world):
+        padded = torch.zeros(world, 2)
+        padded[: rank + 1] = 1.0
+        assert_tree_equal(per_rank[rank]["grad pad"], padded)
 
 
 @pytest.mark.distributed
