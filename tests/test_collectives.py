@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections import OrderedDict
 from collections import defaultdict
 from collections.abc import Callable
@@ -626,15 +627,16 @@ def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
     return out
 
 
+Results = tuple[int, list[dict[str, Any]]]
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def dist_results(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[int, list[dict[str, Any]]]:
+) -> Results:
+    """Each rank's ``_scenarios`` results, from one run per world size."""
     world: int = request.param
     return world, run_ranks(_scenarios, world, tmp_path_factory.mktemp(f"w{world}"))
-
-
-Results = tuple[int, list[dict[str, Any]]]
 
 
 def on_every_rank(results: Results, name: str) -> Any:
@@ -702,7 +704,7 @@ def test_gather_mismatch_is_a_value_error_on_every_rank(dist_results: Results) -
         f"rank {r}: \\(2, {3 + r}\\) torch.float32" for r in range(world)
     )
     assert kind == "ValueError"
-    assert __import__("re").match(
+    assert re.match(
         rf"gather: data\['x'\] must have .*every dim but 0 on every rank; got {listing}\.",
         msg,
     )
