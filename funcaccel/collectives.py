@@ -493,9 +493,9 @@ def gather_for_metrics(
 ) -> object:
     """Gather ``data`` from every rank, then drop the epoch's looped-back duplicates.
 
-    Objects are gathered with ``gather_object`` (``data`` must then be a list or
-    tuple) when ``use_gather_object`` is true or any leaf is not a tensor, tensors
-    with ``gather``. When ``batch.is_last`` and ``batch.remainder > 0`` only the
+    Objects are gathered as by ``gather_object`` (``data`` must then be a list or
+    tuple) when ``use_gather_object`` is true or any leaf is not a tensor, on any
+    rank; otherwise tensors as by ``gather``. When ``batch.is_last`` and ``batch.remainder > 0`` only the
     first ``remainder`` items (of the flat list) or rows (of every leaf) are kept.
     With 2 ranks, ``n=10``, ``bs=3``, the last batch is ``[6, 7, 8]`` on rank 0 and
     ``[9, 0, 1]`` on rank 1 with ``remainder=4``: both get ``[6, 7, 8, 9]``.
