@@ -7,6 +7,15 @@ it into the functions below.
 
 from __future__ import annotations
 
+from funcaccel.collectives import BatchInfo
+from funcaccel.collectives import Reduction
+from funcaccel.collectives import broadcast
+from funcaccel.collectives import broadcast_object
+from funcaccel.collectives import gather
+from funcaccel.collectives import gather_for_metrics
+from funcaccel.collectives import gather_object
+from funcaccel.collectives import pad_across_processes
+from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.context import build_context
@@ -28,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutocastKwargs",
+    "BatchInfo",
     "DDPCommunicationHookType",
     "DistributedContext",
     "DistributedDataParallelKwargs",
@@ -36,11 +46,19 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProfileKwargs",
+    "Reduction",
     "ShardedBatchSampler",
     "ShardedIterableDataset",
+    "broadcast",
+    "broadcast_object",
     "build_context",
     "close_context",
     "context_from_env",
+    "gather",
+    "gather_for_metrics",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
     "shard_batch_sampler",
     "shard_iterable_dataset",
 ]
