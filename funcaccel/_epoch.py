@@ -1,0 +1,251 @@
+"""Where each epoch's indices come from, and how a resume skips them (SPEC §4.1, §4.2).
+
+``BaseIndices`` describes, once per loader, the unsharded index stream of the
+original ``DataLoader``: the seeded replacement of a shuffling ``RandomSampler``, a
+sequential order, or the user's own (batch) sampler. Its ``for_epoch(epoch)`` gives
+that epoch's stream as a value; for the first two it is an ``IndexedBatches`` (or a
+plain sequence of indices) that skips any number of batches in constant time, so a
+resume costs the same at 90 % of an epoch as at its start.
+
+``IndexSlot`` is the index sampler of the loader's inner ``DataLoader``: the loader
+loads each epoch's iterator into it right before iterating, so one ``DataLoader``
+(and its persistent workers) serves every epoch. ``CountedStream`` and
+``TaggedCollate`` count the samples an unsized stream produced, through the worker
+processes if there are any, so the last batch can carry the remainder.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from collections.abc import Sized
+from dataclasses import dataclass
+from typing import Any
+from typing import Literal
+
+import torch
+from torch.utils.data import IterableDataset
+from torch.utils.data import RandomSampler
+from torch.utils.data import Sampler
+
+from funcaccel.sharding import shard_iterable_dataset
+
+__all__ = [
+    "BaseIndices",
+    "CountedStream",
+    "IndexSlot",
+    "IndexedBatches",
+    "TaggedCollate",
+    "fetch_batch",
+    "skip_items",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedBatches:
+    """Torch's ``BatchSampler`` over a known order, able to start at any batch.
+
+    ``sampler`` is the epoch's order (a ``range`` or a list); it is named as torch's
+    attribute so that sharding reads its length like a ``BatchSampler``'s.
+
+    >>> batches = IndexedBatches(range(5), 2, False)
+    >>> list(batches), len(batches), list(batches.iter_from(2))
+    ([[0, 1], [2, 3], [4]], 3, [[4]])
+    """
+
+    sampler: Sequence[int]
+    batch_size: int
+    drop_last: bool
+
+    def __len__(self) -> int:
+        n, bs = len(self.sampler), self.batch_size
+        return n // bs if self.drop_last else -(-n // bs)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.iter_from(0)
+
+    def iter_from(self, skip: int) -> Iterator[list[int]]:
+        """Iterate the batches after the first ``skip``, without building those."""
+        order, bs = self.sampler, self.batch_size
+        starts = range(skip * bs, len(self) * bs, bs)
+        if isinstance(order, list):
+            return (order[start : start + bs] for start in starts)
+        return (list(order[start : start + bs]) for start in starts)
+
+
+def skip_items(source: Iterable[Any], skip: int) -> Iterator[Any]:
+    """Iterate ``source`` after its first ``skip`` items, in O(1) where it can.
+
+    >>> list(skip_items(IndexedBatches(range(4), 2, False), 1)), list(skip_items(iter("abc"), 2))
+    ([[2, 3]], ['c'])
+    """
+    if isinstance(source, IndexedBatches):
+        return source.iter_from(skip)
+    if isinstance(source, (range, list)):
+        return iter(source[skip:])
+    return itertools.islice(iter(source), skip, None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BaseIndices:
+    """The unsharded index stream of a map-style loader, one epoch at a time.
+
+    ``kind`` is ``"random"`` for the seeded replacement of a ``RandomSampler``
+    (SPEC §4.2: the order torch's ``RandomSampler`` draws with a fresh generator
+    seeded ``seed + epoch``), ``"sequential"`` for a ``SequentialSampler``, and
+    ``"given"`` for anything else, used as it is. ``batch_size`` is ``None`` when the
+    loader does not batch (then items are single indices); with ``"given"`` and a
+    batch size, ``source`` is the user's batch sampler, else the user's sampler.
+    """
+
+    kind: Literal["random", "sequential", "given"]
+    source: Iterable[Any]
+    batch_size: int | None
+    drop_last: bool
+    seed: int
+
+    def for_epoch(self, epoch: int) -> Iterable[Any]:
+        """Return epoch ``epoch``'s stream (index lists, or indices when unbatched)."""
+        if self.kind == "given":
+            return self.source
+        order: Sequence[int]
+        if self.kind == "sequential":
+            order = range(_sized_len(self.source))
+        else:
+            order = list(_seeded_sampler(self.source, self.seed + epoch))
+        if self.batch_size is None:
+            return order
+        return IndexedBatches(order, self.batch_size, self.drop_last)
+
+    def for_length(self) -> Iterable[Any]:
+        """Return a stream with the length (and last batch) of any epoch, cheaply."""
+        if self.kind == "given":
+            return self.source
+        if isinstance(self.source, RandomSampler):  # kind == "random"
+            order = range(self.source.num_samples)
+        else:
+            order = range(_sized_len(self.source))
+        if self.batch_size is None:
+            return order
+        return IndexedBatches(order, self.batch_size, self.drop_last)
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator the loader synchronises for ``"generator"`` (SPEC §4.2).
+
+        ``None`` for the seeded replacement, whose generator is made fresh from the
+        seed every epoch (synchronising it before reseeding would change nothing).
+        """
+        if self.kind == "random":
+            return None
+        for owner in (self.source, getattr(self.source, "sampler", None)):
+            found = getattr(owner, "generator", None)
+            if isinstance(found, torch.Generator):
+                return found
+        return None
+
+
+def _sized_len(source: object) -> int:
+    assert isinstance(source, Sized)  # SequentialSampler always is
+    return len(source)
+
+
+def _seeded_sampler(original: Iterable[Any], seed: int) -> RandomSampler:
+    assert isinstance(original, RandomSampler)  # kind == "random"
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return RandomSampler(
+        original.data_source,
+        replacement=original.replacement,
+        num_samples=original.num_samples,
+        generator=generator,
+    )
+
+
+class IndexSlot(Sampler[Any]):
+    """The inner ``DataLoader``'s index sampler: yields what the loader loaded.
+
+    Torch calls ``iter()`` on its index sampler once per epoch (twice when worker
+    processes start, using the second); each call returns the loaded iterator, so
+    the loader must ``load_`` a fresh one before every ``iter(dataloader)``. It has
+    no ``len()``: the loader computes lengths itself.
+    """
+
+    def __init__(self) -> None:
+        self._indices: Iterator[Any] = iter(())
+
+    def load_(self, indices: Iterator[Any]) -> None:
+        """Make ``indices`` the stream of the next ``iter(dataloader)``."""
+        self._indices = indices
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._indices
+
+
+class _Counter:
+    """Iterates ``dataset`` once per ``iter()``, counting what it read."""
+
+    def __init__(self, dataset: Iterable[Any]) -> None:
+        self.dataset = dataset
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for sample in self.dataset:
+            self.count += 1
+            yield sample
+
+
+class CountedStream(IterableDataset[tuple[Any, int]]):
+    """Yield ``(sample, samples read so far)`` from a (sharded) unsized stream.
+
+    With ``shard`` (keyword arguments of ``shard_iterable_dataset``) the stream is
+    this rank's shard; the count is of the whole stream read so far, so at the
+    shard's last sample it is the epoch's ``n``.
+
+    >>> list(CountedStream(iter("abc"), None))
+    [('a', 1), ('b', 2), ('c', 3)]
+    """
+
+    def __init__(self, dataset: Iterable[Any], shard: dict[str, Any] | None) -> None:
+        self.dataset = dataset
+        self.shard = shard
+
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
+        counter = _Counter(self.dataset)
+        stream: Iterable[Any] = counter
+        if self.shard is not None:
+            stream = shard_iterable_dataset(counter, **self.shard)
+        for sample in stream:
+            yield sample, counter.count
+
+
+class TaggedCollate:
+    """Collate the samples of ``CountedStream`` and keep the last count.
+
+    >>> TaggedCollate(list)([("a", 1), ("b", 2)])
+    (['a', 'b'], 2)
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[tuple[Any, int]]) -> tuple[Any, int]:
+        return self.collate_fn([sample for sample, _ in items]), items[-1][1]
+
+
+def fetch_batch(
+    dataset: Any, collate_fn: Callable[[Any], Any], indices: Any, *, batched: bool
+) -> Any:
+    """Read and collate one item of the index stream as torch's fetcher does.
+
+    >>> fetch_batch([10, 11, 12], list, [2, 0], batched=True)
+    [12, 10]
+    """
+    if not batched:
+        return collate_fn(dataset[indices])
+    getitems = getattr(dataset, "__getitems__", None)
+    samples = getitems(indices) if getitems else [dataset[i] for i in indices]
+    return collate_fn(samples)

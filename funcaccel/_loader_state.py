@@ -1,0 +1,139 @@
+"""The values ``iter_batches`` threads and yields: ``LoaderState`` and ``Batch``.
+
+``LoaderState`` is what a checkpoint stores to resume a loader (SPEC §4.1); a
+``Batch`` is one record of ``iter_batches``, whose ``state`` is the ``LoaderState``
+to resume from after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from typing import Final
+
+__all__ = ["START", "Batch", "LoaderState", "check_count"]
+
+
+def check_count(where: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = (
+            f"{where}: {name} must be an int; got {value!r} ({type(value).__name__}). "
+            "Pass a non-negative int."
+        )
+        raise TypeError(msg)
+    if value < 0:
+        msg = f"{where}: {name} must be >= 0; got {value}. Pass a non-negative int."
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoaderState:
+    """Where a loader stands in its epochs; the value a checkpoint stores.
+
+    Args:
+        epoch: The epoch to iterate (>= 0).
+        global_batches: Global batches of that epoch already consumed (>= 0).
+        global_batch_size: The global batch size ``G`` they were counted in; 0
+            means "the resuming loader's ``total_batch_size``".
+
+    Raises:
+        TypeError: A field that is not an int.
+        ValueError: A negative field.
+
+    >>> state = LoaderState(epoch=2, global_batches=5, global_batch_size=64)
+    >>> LoaderState.from_dict(state.to_dict()) == state
+    True
+    >>> LoaderState(epoch=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: LoaderState: epoch must be >= 0; got -1. Pass a non-negative int.
+    """
+
+    epoch: int = 0
+    global_batches: int = 0
+    global_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("epoch", "global_batches", "global_batch_size"):
+            check_count("LoaderState", name, getattr(self, name))
+
+    def to_dict(self) -> dict[str, int]:
+        """Return the state as a plain JSON-able dict.
+
+        >>> LoaderState(epoch=1).to_dict()
+        {'epoch': 1, 'global_batches': 0, 'global_batch_size': 0}
+        """
+        return {
+            "epoch": self.epoch,
+            "global_batches": self.global_batches,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> LoaderState:
+        """Rebuild a state from ``to_dict()``'s output; ``data`` is not modified.
+
+        Raises:
+            TypeError: ``data`` is not a dict, or a value is not an int.
+            ValueError: ``data`` lacks a key or has an unknown one, or a value is
+                negative.
+        """
+        if not isinstance(data, dict):
+            msg = (
+                f"LoaderState.from_dict: data must be a dict from LoaderState.to_dict(); "
+                f"got {type(data).__name__}."
+            )
+            raise TypeError(msg)
+        expected = {"epoch", "global_batches", "global_batch_size"}
+        if set(data) != expected:
+            msg = (
+                f"LoaderState.from_dict: data must have exactly the keys "
+                f"{sorted(expected)}; got {sorted(map(str, data))}. Pass the dict "
+                "LoaderState.to_dict() returned."
+            )
+            raise ValueError(msg)
+        return cls(
+            epoch=data["epoch"],
+            global_batches=data["global_batches"],
+            global_batch_size=data["global_batch_size"],
+        )
+
+
+START: Final = LoaderState()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """One batch of ``iter_batches``, with where it stands in the epoch.
+
+    Attributes:
+        data: This rank's batch, on the device when ``put_on_device``.
+        index: The global batch index within the epoch (skipped ones counted).
+        is_last: Whether this is the last batch this rank yields in the epoch.
+        remainder: Real samples in the epoch's last global batch: ``n % G`` (0 when
+            complete), -1 with ``drop_last`` or when unknown (SPEC §4, §5).
+        epoch: The epoch this batch belongs to.
+        total_batch_size: The loader's global batch size ``G`` (``None`` if dynamic).
+    """
+
+    data: Any
+    index: int
+    is_last: bool
+    remainder: int
+    epoch: int
+    total_batch_size: int | None
+
+    @property
+    def state(self) -> LoaderState:
+        """The state to resume from after this batch (the next epoch after the last).
+
+        >>> Batch(data=None, index=2, is_last=False, remainder=4, epoch=0, total_batch_size=6).state
+        LoaderState(epoch=0, global_batches=3, global_batch_size=6)
+        """
+        if self.is_last:
+            return LoaderState(epoch=self.epoch + 1)
+        return LoaderState(
+            epoch=self.epoch,
+            global_batches=self.index + 1,
+            global_batch_size=self.total_batch_size or 0,
+        )

@@ -1,0 +1,129 @@
+"""Move nested batches to a device without touching the input (SPEC §4).
+
+A batch is walked as a tree: tensors and objects with a ``.to`` method are moved,
+lists, tuples, named tuples, mappings and dataclass instances are rebuilt around
+their moved contents, and any other leaf (strings, numbers, ``None``, numpy arrays)
+is kept as it is. The input is never modified: every container on the way is a new
+object, so a caller holding the original batch still sees it unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from collections.abc import MutableMapping
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+
+__all__ = ["send_to_device"]
+
+_T = TypeVar("_T")
+
+
+def send_to_device(
+    data: _T, device: torch.device | str, *, non_blocking: bool = False
+) -> _T:
+    """Return ``data`` with every tensor (and every object with ``.to``) on ``device``.
+
+    Tensors may be nested in lists, tuples, named tuples, dicts (or other mappings)
+    and dataclass instances; the structure and container types are kept. Other
+    leaves are returned as they are. ``data`` is left unchanged: containers are
+    rebuilt and tensors are moved with ``Tensor.to``, which returns the same tensor
+    when it is already on ``device``. An object with a ``.to`` method is moved by its
+    own method (for an ``nn.Module`` that method works in place).
+
+    Args:
+        data: The batch to move.
+        device: Where to move it.
+        non_blocking: Passed to ``Tensor.to`` (and to an object's ``.to`` when it
+            accepts it), for asynchronous host-to-GPU copies from pinned memory.
+
+    Returns:
+        A batch of the same structure with its tensors on ``device``.
+
+    Raises:
+        TypeError: If ``device`` is not a ``torch.device`` or a string, or
+            ``non_blocking`` is not a bool.
+
+    >>> batch = {"x": torch.zeros(2), "ids": [torch.ones(1)], "name": "a"}
+    >>> moved = send_to_device(batch, "cpu")
+    >>> moved["name"], moved["x"].device.type, moved is batch, moved["ids"] is batch["ids"]
+    ('a', 'cpu', False, False)
+    """
+    if isinstance(device, str):
+        target = torch.device(device)
+    elif isinstance(device, torch.device):
+        target = device
+    else:
+        msg = (
+            f"send_to_device: device must be a torch.device or a str; got {device!r} "
+            f"({type(device).__name__}). Pass e.g. torch.device('cpu') or ctx.device."
+        )
+        raise TypeError(msg)
+    if not isinstance(non_blocking, bool):
+        msg = (
+            f"send_to_device: non_blocking must be a bool; got {non_blocking!r} "
+            f"({type(non_blocking).__name__}). Pass True or False."
+        )
+        raise TypeError(msg)
+    return cast(_T, _send(data, target, non_blocking))
+
+
+def _send(data: Any, device: torch.device, non_blocking: bool) -> Any:
+    # The common cases (tensor, tuple, list, dict) come first and are tested by
+    # exact type: this runs once per batch in the loader's hot path.
+    if isinstance(data, torch.Tensor):
+        if non_blocking:
+            return data.to(device, non_blocking=True)
+        return data if data.device == device else data.to(device)
+    kind = type(data)
+    if kind is tuple:
+        return tuple([_send(item, device, non_blocking) for item in data])
+    if kind is list:
+        return [_send(item, device, non_blocking) for item in data]
+    if kind is dict:
+        return {key: _send(value, device, non_blocking) for key, value in data.items()}
+    mover = getattr(data, "to", None)
+    if callable(mover):
+        return _call_to(mover, device, non_blocking)
+    if isinstance(data, tuple):
+        items = [_send(item, device, non_blocking) for item in data]
+        if hasattr(kind, "_fields"):  # a named tuple takes its fields positionally
+            return kind(*items)
+        return kind(items)
+    if isinstance(data, list):
+        # A list subclass may take other constructor arguments: copy, then refill.
+        new_list = copy.copy(data)
+        new_list[:] = [_send(item, device, non_blocking) for item in data]
+        return new_list
+    if isinstance(data, Mapping):
+        moved = {key: _send(value, device, non_blocking) for key, value in data.items()}
+        if isinstance(data, MutableMapping):
+            # copy.copy keeps what a constructor might not (defaultdict's factory).
+            new_map = copy.copy(data)
+            for key, value in moved.items():
+                new_map[key] = value
+            return new_map
+        return kind(moved)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changes = {
+            field.name: _send(getattr(data, field.name), device, non_blocking)
+            for field in dataclasses.fields(data)
+            if field.init
+        }
+        return dataclasses.replace(data, **changes)
+    return data
+
+
+def _call_to(mover: Any, device: torch.device, non_blocking: bool) -> Any:
+    if not non_blocking:
+        return mover(device)
+    try:
+        return mover(device, non_blocking=True)
+    except TypeError:
+        # Its .to takes no non_blocking keyword; a blocking move is still correct.
+        return mover(device)

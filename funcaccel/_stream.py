@@ -1,0 +1,238 @@
+"""One epoch of a ``ShardedLoader``, as a stream of batches (SPEC §4, §4.2, §5).
+
+Each function takes the loader's ``Setup`` and the epoch; the epoch-start work of
+SPEC §4.2 (synchronise, seed, ``set_epoch``) runs when the stream is first advanced.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sized
+from typing import Any
+from typing import Final
+
+import torch
+
+from funcaccel._comm import sync_rng_states
+from funcaccel._dispatch import dispatch_epoch
+from funcaccel._epoch import IndexedBatches
+from funcaccel._epoch import fetch_batch
+from funcaccel._epoch import skip_items
+from funcaccel._loader_setup import Setup
+from funcaccel._loader_state import Batch
+from funcaccel._placement import _send
+from funcaccel.sharding import shard_batch_sampler
+
+__all__ = ["length", "local_batches", "placed", "records"]
+
+_END: Final = object()
+
+
+def placed(
+    batches: Iterator[Any], device: torch.device, non_blocking: bool
+) -> Iterator[Any]:
+    for batch in batches:
+        yield _send(batch, device, non_blocking)
+
+
+def _unsized(what: object) -> TypeError:
+    return TypeError(
+        f"ShardedLoader.__len__: the {type(what).__name__} has no len(), so the "
+        "number of batches is unknown; give it a __len__ or do not call len()."
+    )
+
+
+def length(setup: Setup) -> int:
+    ctx, bs, drop_last = setup.ctx, setup.batch_size, setup.drop_last
+    p = ctx.num_processes
+    if setup.base is not None:
+        stream = setup.base.for_length()
+        if not isinstance(stream, Sized):
+            raise _unsized(stream)
+        if p > 1 and not setup.dispatch:
+            shard = shard_batch_sampler(
+                stream,
+                num_processes=p,
+                process_index=ctx.process_index,
+                split_batches=setup.split_batches,
+                even_batches=setup.even_batches,
+            )
+            return len(shard)
+        k = len(stream)
+    else:
+        dataset = setup.dataloader.dataset
+        if not isinstance(dataset, Sized):
+            raise _unsized(dataset)
+        n = len(dataset)
+        k = n if bs is None else n // bs if drop_last else -(-n // bs)
+    # Iterable shards and dispatch both group k base batches by p (SPEC §4, §5).
+    if p == 1 or setup.split_batches:
+        return k
+    return k // p if drop_last else -(-k // p)
+
+
+def _epoch_samples(setup: Setup) -> int | None:
+    """Return ``n`` for the remainder: ``len(sampler)``, or ``len(dataset)``."""
+    if setup.base is not None:
+        stream = setup.base.for_length()
+        if isinstance(stream, IndexedBatches):
+            return len(stream.sampler)
+        sampler = (
+            stream
+            if setup.base.batch_size is None
+            else getattr(stream, "sampler", None)
+        )
+        if isinstance(sampler, Sized):
+            return len(sampler)
+    dataset = setup.dataloader.dataset
+    return len(dataset) if isinstance(dataset, Sized) else None
+
+
+def _start_epoch(setup: Setup, epoch: int) -> None:
+    """SPEC §4.2, on every rank: synchronise, seed, then ``set_epoch``."""
+    sync_rng_states(
+        setup.ctx, setup.rng_types, setup.sync_generator, caller="iter_batches"
+    )
+    if setup.reseed_generator is not None:
+        setup.reseed_generator.manual_seed(setup.seed + epoch)
+    for target in setup.epoch_targets:
+        target.set_epoch(epoch)
+
+
+def _consume(iterator: Iterator[Any], count: int) -> None:
+    next(itertools.islice(iterator, count, count), None)
+
+
+def local_batches(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
+    """Yield this rank's collated batches of ``epoch`` after its first ``skip``."""
+    _start_epoch(setup, epoch)
+    assert setup.inner is not None  # only dispatch ranks > 0 have none
+    if setup.base is None:  # iterable data: skipped batches are read, then dropped
+        batches = iter(setup.inner)
+        _consume(batches, skip)
+        yield from batches
+        return
+    assert setup.slot is not None
+    ctx, stream = setup.ctx, setup.base.for_epoch(epoch)
+    if ctx.num_processes == 1:
+        setup.slot.load_(skip_items(stream, skip))
+    else:
+        shard = shard_batch_sampler(
+            stream,
+            num_processes=ctx.num_processes,
+            process_index=ctx.process_index,
+            split_batches=setup.split_batches,
+            even_batches=setup.even_batches,
+        )
+        setup.slot.load_(shard.iter_from(skip))
+    yield from setup.inner
+
+
+def _dispatch_base(
+    setup: Setup, epoch: int, skip: int, head: list[Any]
+) -> Iterator[Any]:
+    """Rank 0: yield the original batches after the first ``skip``.
+
+    When ``skip > 0`` the epoch's first ``len(head)`` items (index lists, or
+    batches of iterable data) are skipped, so they are stored in ``head`` first:
+    the last global batch may need padding from them.
+    """
+    assert setup.inner is not None
+    head_count = len(head)
+    source: Iterator[Any]
+    if setup.base is None:
+        source = iter(setup.inner)
+    else:
+        source = iter(setup.base.for_epoch(epoch))
+    if skip:
+        head[:] = itertools.islice(source, head_count)
+        _consume(source, skip - len(head))
+    if setup.base is None:
+        yield from source
+        return
+    assert setup.slot is not None
+    setup.slot.load_(source)
+    yield from setup.inner
+
+
+def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    if setup.dispatch:
+        yield from _dispatched_records(setup, epoch, skip)
+        return
+    total = setup.total_batch_size
+    n = None if setup.counted else _epoch_samples(setup)
+    known = not (setup.drop_last or total is None)
+    remainder = n % total if known and n is not None and total else -1
+    device = setup.ctx.device if setup.put_on_device else None
+    items = local_batches(setup, epoch, skip)
+    current: Any = next(items, _END)
+    index = skip
+    while current is not _END:
+        following = next(items, _END)
+        is_last = following is _END
+        data = current
+        if setup.counted:
+            data, seen = current
+            remainder = seen % total if is_last and known and total else -1
+        if device is not None:
+            data = _send(data, device, setup.non_blocking)
+        yield Batch(
+            data=data,
+            index=index,
+            is_last=is_last,
+            remainder=remainder,
+            epoch=epoch,
+            total_batch_size=total,
+        )
+        index, current = index + 1, following
+
+
+def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    ctx = setup.ctx
+    _start_epoch(setup, epoch)
+    group = 1 if setup.split_batches else ctx.num_processes
+    base: Iterator[Any] | None = None
+    pad_source: Callable[[], list[Any]] | None = None
+    if ctx.process_index == 0:
+        head: list[Any] = [None] * group  # filled by _dispatch_base when skipped
+        base = _dispatch_base(setup, epoch, skip * group, head)
+        if skip and setup.base is None:
+            pad_source = head.copy  # the skipped first batches themselves
+        elif skip:
+            pad_source = _refetch(setup, head)
+    for offset, (data, is_last, rows) in enumerate(
+        dispatch_epoch(
+            ctx,
+            base_batches=base,
+            pad_source=pad_source,
+            group=group,
+            drop_last=setup.drop_last,
+            first_index=skip,
+            slice_fn=setup.slice_fn,
+        )
+    ):
+        yield Batch(
+            data=_send(data, ctx.device, setup.non_blocking),
+            index=skip + offset,
+            is_last=is_last,
+            remainder=rows if is_last else -1,
+            epoch=epoch,
+            total_batch_size=setup.total_batch_size,
+        )
+
+
+def _refetch(setup: Setup, head: list[Any]) -> Callable[[], list[Any]]:
+    inner = setup.inner
+    assert inner is not None
+    batched = setup.dataloader.batch_sampler is not None
+
+    def fetch() -> list[Any]:
+        # The head's index lists were skipped, not read: read them now.
+        return [
+            fetch_batch(inner.dataset, inner.collate_fn, item, batched=batched)
+            for item in head
+        ]
+
+    return fetch
