@@ -1,0 +1,307 @@
+"""Experiment trackers and the one place that decides which rank calls them (SPEC §9).
+
+A tracker is any object with the ``Tracker`` methods; the helpers here take ``ctx``
+and call each tracker on the main process only, or on every rank for a tracker whose
+``main_process_only`` is ``False``. Trackers do no I/O before their first gated
+call, so every rank may construct the same list:
+
+>>> from funcaccel.context import DistributedContext, DistributedType
+>>> from funcaccel.trackers import InMemoryTracker
+>>> rank1 = DistributedContext(
+...     num_processes=2, process_index=1, distributed_type=DistributedType.MULTI_CPU
+... )
+>>> tracker = InMemoryTracker()
+>>> log_metrics(rank1, [tracker], {"loss": 0.5}, step=3)  # rank 1: not called
+>>> log_metrics(DistributedContext(), [tracker], {"loss": 0.5}, step=3)
+>>> [(r.step, r.values) for r in tracker.logs]
+[(3, {'loss': 0.5})]
+
+The built-in trackers live in ``funcaccel.trackers``; ``normalize_metrics`` and
+``normalize_config`` give a custom tracker the same checks on values.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Protocol
+from typing import TypeAlias
+from typing import runtime_checkable
+
+import torch
+
+from funcaccel.context import DistributedContext
+
+__all__ = [
+    "ConfigValue",
+    "MetricValue",
+    "Tracker",
+    "finish_trackers",
+    "log_metrics",
+    "normalize_config",
+    "normalize_metrics",
+    "store_config",
+]
+
+MetricValue: TypeAlias = float | int | str
+"""A value ``Tracker.log`` accepts (SPEC §9)."""
+
+ConfigValue: TypeAlias = bool | str | float | int | None
+"""A value ``Tracker.store_init_configuration`` accepts (SPEC §9)."""
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What ``log_metrics``, ``store_config`` and ``finish_trackers`` call.
+
+    A tracker may also have ``main_process_only: bool``; when it is absent the
+    tracker is treated as main-process-only. Return values are ignored.
+    """
+
+    @property
+    def name(self) -> str:
+        """A short name for messages, such as ``"jsonl"``."""
+        ...
+
+    def log(self, values: Mapping[str, MetricValue], step: int | None = None) -> object:
+        """Record one set of metric values, at ``step`` when given."""
+        ...
+
+    def store_init_configuration(self, values: Mapping[str, ConfigValue]) -> object:
+        """Record the run's hyperparameters."""
+        ...
+
+    def finish(self) -> object:
+        """Flush and release whatever the tracker holds."""
+        ...
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _scalar_from_tensor(
+    caller: str, key: str, value: torch.Tensor
+) -> bool | int | float:
+    if value.numel() != 1:
+        msg = (
+            f"{caller}: value {key!r} is a tensor with {value.numel()} elements "
+            f"(shape {tuple(value.shape)}); log a single number, such as "
+            "tensor.mean() or one tensor per key."
+        )
+        raise ValueError(msg)
+    item = value.item()
+    if isinstance(item, complex):
+        msg = f"{caller}: value {key!r} is a complex tensor ({value!r}); log a real number."
+        raise TypeError(msg)
+    return item
+
+
+def _check_key(caller: str, key: object) -> str:
+    if not isinstance(key, str):
+        msg = (
+            f"{caller}: keys must be str; got {key!r} ({_type_name(key)}); name each "
+            "value with a string such as 'loss'."
+        )
+        raise TypeError(msg)
+    return key
+
+
+def _check_mapping(caller: str, what: str, values: object) -> Mapping[object, object]:
+    if not isinstance(values, Mapping):
+        msg = (
+            f"{caller}: {what} must be a mapping such as {{'loss': 0.5}}; got "
+            f"{values!r} ({_type_name(values)})."
+        )
+        raise TypeError(msg)
+    return values
+
+
+def normalize_metrics(
+    values: Mapping[str, object], *, caller: str = "normalize_metrics"
+) -> dict[str, bool | int | float | str]:
+    """Return a new dict of plain metric values; ``values`` is left unchanged.
+
+    Python and NumPy numbers become ``int``/``float`` (``bool`` stays ``bool``),
+    one-element tensors become their ``item()``, strings stay strings.
+
+    Args:
+        values: metric names to values.
+        caller: the name error messages start with.
+
+    Raises:
+        TypeError: ``values`` is not a mapping, a key is not a str, or a value is
+            of another type.
+        ValueError: a tensor with other than one element.
+
+    >>> normalize_metrics({"loss": torch.tensor([0.5]), "epoch": 2, "tag": "a"})
+    {'loss': 0.5, 'epoch': 2, 'tag': 'a'}
+    """
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in _check_mapping(caller, "values", values).items():
+        name = _check_key(caller, key)
+        if isinstance(value, (bool, str)):
+            out[name] = value
+        elif isinstance(value, torch.Tensor):
+            out[name] = _scalar_from_tensor(caller, name, value)
+        elif isinstance(value, numbers.Integral):
+            out[name] = int(value)
+        elif isinstance(value, numbers.Real):
+            out[name] = float(value)
+        else:
+            msg = (
+                f"{caller}: value {name!r} is {value!r} ({_type_name(value)}); log "
+                "an int, float, str, bool or one-element tensor."
+            )
+            raise TypeError(msg)
+    return out
+
+
+def normalize_config(
+    values: Mapping[str, object], *, caller: str = "normalize_config"
+) -> dict[str, ConfigValue]:
+    """Return a new dict of plain configuration values; ``values`` is left unchanged.
+
+    Accepts what ``normalize_metrics`` accepts, plus ``None``.
+
+    Raises:
+        TypeError: ``values`` is not a mapping, a key is not a str, or a value is
+            of another type (convert it, e.g. ``str(betas)``).
+        ValueError: a tensor with other than one element.
+
+    >>> normalize_config({"lr": 3e-4, "scheduler": None, "amp": True})
+    {'lr': 0.0003, 'scheduler': None, 'amp': True}
+    """
+    mapping = _check_mapping(caller, "values", values)
+    out: dict[str, ConfigValue] = {}
+    for key, value in mapping.items():
+        name = _check_key(caller, key)
+        if value is None:
+            out[name] = None
+            continue
+        try:
+            out.update(normalize_metrics({name: value}, caller=caller))
+        except TypeError:
+            msg = (
+                f"{caller}: configuration value {name!r} is {value!r} "
+                f"({_type_name(value)}); store a bool, str, int, float or None "
+                f"(for example str({name}))."
+            )
+            raise TypeError(msg) from None
+    return out
+
+
+def _check_step(caller: str, step: object) -> None:
+    if step is None:
+        return
+    if not isinstance(step, int) or isinstance(step, bool):
+        msg = (
+            f"{caller}: step must be an int or None; got {step!r} ({_type_name(step)})."
+        )
+        raise TypeError(msg)
+    if step < 0:
+        msg = f"{caller}: step must be >= 0; got {step}."
+        raise ValueError(msg)
+
+
+def _gated(
+    caller: str, ctx: DistributedContext, trackers: Iterable[Tracker]
+) -> list[Tracker]:
+    """Return the trackers this rank calls, in order, after checking the inputs."""
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"({_type_name(ctx)}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
+        msg = (
+            f"{caller}: trackers must be a list of trackers; got {trackers!r} "
+            f"({_type_name(trackers)}). Wrap a single tracker in a list: [tracker]."
+        )
+        raise TypeError(msg)
+    chosen: list[Tracker] = []
+    for index, tracker in enumerate(list(trackers)):
+        if not isinstance(tracker, Tracker):
+            msg = (
+                f"{caller}: trackers[{index}] is {tracker!r} ({_type_name(tracker)}), "
+                "which lacks the Tracker methods (name, log, store_init_configuration, "
+                "finish)."
+            )
+            raise TypeError(msg)
+        main_only = getattr(tracker, "main_process_only", True)
+        if not isinstance(main_only, bool):
+            msg = (
+                f"{caller}: trackers[{index}] ({tracker.name}) has main_process_only="
+                f"{main_only!r} ({_type_name(main_only)}); it must be a bool."
+            )
+            raise TypeError(msg)
+        if ctx.is_main_process or not main_only:
+            chosen.append(tracker)
+    return chosen
+
+
+def log_metrics(
+    ctx: DistributedContext,
+    trackers: Iterable[Tracker],
+    values: Mapping[str, MetricValue],
+    *,
+    step: int | None = None,
+) -> None:
+    """Call ``tracker.log(values, step=step)`` for each tracker this rank runs.
+
+    On 2 ranks, ``log_metrics(ctx, [t], {"loss": 0.5}, step=3)`` calls
+    ``t.log({"loss": 0.5}, step=3)`` once, on rank 0; a tracker with
+    ``main_process_only=False`` is called on both. ``values`` is passed through
+    unmodified (the same object); trackers are called in order.
+
+    Raises:
+        TypeError: ``ctx``, ``trackers``, ``values`` or ``step`` of the wrong type.
+        ValueError: a negative ``step``.
+    """
+    caller = "log_metrics"
+    chosen = _gated(caller, ctx, trackers)
+    _check_mapping(caller, "values", values)
+    _check_step(caller, step)
+    for tracker in chosen:
+        tracker.log(values, step=step)
+
+
+def store_config(
+    ctx: DistributedContext,
+    trackers: Iterable[Tracker],
+    values: Mapping[str, ConfigValue],
+) -> None:
+    """Call ``tracker.store_init_configuration(values)`` for each tracker this rank runs.
+
+    Gating as ``log_metrics``; ``values`` is passed through unmodified.
+
+    Raises:
+        TypeError: ``ctx``, ``trackers`` or ``values`` of the wrong type.
+    """
+    caller = "store_config"
+    chosen = _gated(caller, ctx, trackers)
+    _check_mapping(caller, "values", values)
+    for tracker in chosen:
+        tracker.store_init_configuration(values)
+
+
+def finish_trackers(ctx: DistributedContext, trackers: Iterable[Tracker]) -> None:
+    """Call ``tracker.finish()`` for each tracker this rank runs, all of them.
+
+    Gating as ``log_metrics``. A tracker that raises does not stop the others from
+    being finished; the first error is raised once all have been called.
+
+    Raises:
+        TypeError: ``ctx`` or ``trackers`` of the wrong type.
+        Exception: the first error a tracker's ``finish`` raised.
+    """
+    errors: list[Exception] = []
+    for tracker in _gated("finish_trackers", ctx, trackers):
+        try:
+            tracker.finish()
+        except Exception as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+    if errors:
+        raise errors[0]

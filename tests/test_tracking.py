@@ -1,0 +1,484 @@
+"""Tests for tracker gating (SPEC §9) and the built-in trackers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from collections.abc import Callable
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.trackers import CSVTracker
+from funcaccel.trackers import InMemoryTracker
+from funcaccel.trackers import JSONLTracker
+from funcaccel.trackers import TensorBoardTracker
+from funcaccel.tracking import Tracker
+from funcaccel.tracking import finish_trackers
+from funcaccel.tracking import log_metrics
+from funcaccel.tracking import normalize_config
+from funcaccel.tracking import normalize_metrics
+from funcaccel.tracking import store_config
+from tests._dist import run_ranks
+
+SINGLE = DistributedContext()
+
+
+def _rank(rank: int, world: int = 2) -> DistributedContext:
+    return DistributedContext(
+        num_processes=world,
+        process_index=rank,
+        distributed_type=DistributedType.MULTI_CPU,
+    )
+
+
+class _Recorder:
+    """A user tracker with no main_process_only attribute; records every call."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object, object]] = []
+
+    def log(
+        self, values: Mapping[str, float | int | str], step: int | None = None
+    ) -> None:
+        self.calls.append(("log", values, step))
+
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+        self.calls.append(("config", values, None))
+
+    def finish(self) -> None:
+        self.calls.append(("finish", None, None))
+
+
+def _clock() -> float:
+    return 1234.5
+
+
+# ---------------------------------------------------------------- gating
+
+
+def test_recorder_and_builtins_satisfy_the_protocol(tmp_path: Path) -> None:
+    trackers = [_Recorder(), InMemoryTracker(), JSONLTracker(tmp_path / "m.jsonl")]
+    assert all(isinstance(t, Tracker) for t in trackers)
+
+
+def test_helpers_call_every_tracker_with_one_process() -> None:
+    recorder, memory = _Recorder(), InMemoryTracker()
+    values = {"loss": 0.5}
+    config = {"lr": 0.1}
+    log_metrics(SINGLE, [recorder, memory], values, step=3)
+    store_config(SINGLE, [recorder, memory], config)
+    finish_trackers(SINGLE, [recorder, memory])
+    assert recorder.calls == [
+        ("log", values, 3),
+        ("config", config, None),
+        ("finish", None, None),
+    ]
+    assert recorder.calls[0][1] is values and recorder.calls[1][1] is config
+    assert [(r.step, r.values) for r in memory.logs] == [(3, {"loss": 0.5})]
+    assert memory.config == {"lr": 0.1} and memory.finished
+
+
+@pytest.mark.parametrize(("rank", "called"), [(0, True), (1, False), (2, False)])
+def test_main_process_only_trackers_run_on_rank_zero_only(
+    rank: int, called: bool
+) -> None:
+    recorder = _Recorder()
+    ctx = _rank(rank, world=3)
+    log_metrics(ctx, [recorder], {"loss": 0.5}, step=3)
+    store_config(ctx, [recorder], {"lr": 0.1})
+    finish_trackers(ctx, [recorder])
+    assert len(recorder.calls) == (3 if called else 0)
+
+
+def test_every_rank_tracker_runs_on_other_ranks() -> None:
+    everywhere = InMemoryTracker(main_process_only=False)
+    main_only = InMemoryTracker()
+    log_metrics(_rank(1), [everywhere, main_only], {"loss": 0.5})
+    assert [(r.step, r.values) for r in everywhere.logs] == [(None, {"loss": 0.5})]
+    assert main_only.logs == ()
+
+
+def test_helpers_stop_at_the_tracker_that_raises_but_finish_reaches_all() -> None:
+    class Broken(_Recorder):
+        def finish(self) -> None:
+            raise OSError("disk gone")
+
+    first, last = Broken(), _Recorder()
+    with pytest.raises(OSError, match="disk gone"):
+        finish_trackers(SINGLE, [first, last])
+    assert last.calls == [("finish", None, None)]
+
+
+def _any(value: object) -> Any:
+    """Pass a value of the wrong type past mypy, as an untyped caller would."""
+    return value
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: log_metrics(_any("ctx"), [], {}),
+            TypeError,
+            r"log_metrics: ctx must be a DistributedContext; got 'ctx'",
+        ),
+        (
+            lambda: log_metrics(SINGLE, _any(InMemoryTracker()), {}),
+            TypeError,
+            r"Wrap a single tracker in a list",
+        ),
+        (
+            lambda: store_config(SINGLE, [_any(object())], {}),
+            TypeError,
+            r"store_config: trackers\[0\] is <object .* lacks the Tracker methods",
+        ),
+        (
+            lambda: log_metrics(SINGLE, [], _any([("loss", 1.0)])),
+            TypeError,
+            r"values must be a mapping .* got \[\('loss', 1.0\)\]",
+        ),
+        (
+            lambda: log_metrics(SINGLE, [], {}, step=True),
+            TypeError,
+            r"step must be an int or None; got True",
+        ),
+        (
+            lambda: log_metrics(SINGLE, [], {}, step=-1),
+            ValueError,
+            r"log_metrics: step must be >= 0; got -1",
+        ),
+        (
+            lambda: finish_trackers(SINGLE, _any(3)),
+            TypeError,
+            r"finish_trackers: trackers must be a list .* got 3",
+        ),
+    ],
+)
+def test_helpers_reject_bad_arguments(
+    call: Callable[[], None], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_helpers_reject_non_bool_main_process_only() -> None:
+    odd = _Recorder()
+    odd.main_process_only = "yes"  # type: ignore[attr-defined]
+    with pytest.raises(
+        TypeError, match=r"\(recorder\) has main_process_only='yes' \(str\)"
+    ):
+        log_metrics(SINGLE, [odd], {"loss": 1.0})
+    assert odd.calls == []
+
+
+def _log_on_each_rank(ctx: DistributedContext, out: Path) -> list[int | None]:
+    everywhere = InMemoryTracker(main_process_only=False)
+    trackers: list[Tracker] = [JSONLTracker(out / "metrics.jsonl"), everywhere]
+    log_metrics(ctx, trackers, {"rank": ctx.process_index}, step=ctx.process_index)
+    finish_trackers(ctx, trackers)
+    return [record.step for record in everywhere.logs]
+
+
+@pytest.mark.distributed
+def test_log_metrics_on_two_processes_writes_from_rank_zero(tmp_path: Path) -> None:
+    steps = run_ranks(_log_on_each_rank, 2, tmp_path / "run", tmp_path)
+    assert steps == [[0], [1]]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["rank"] for line in lines] == [0]
+
+
+# ---------------------------------------------------------------- values
+
+
+def test_normalize_metrics_unwraps_scalars() -> None:
+    values = {
+        "t": torch.tensor([[2.5]]),
+        "i": torch.tensor(7),
+        "np_f": np.float32(0.25),
+        "np_i": np.int64(4),
+        "flag": True,
+        "name": "x",
+    }
+    out = normalize_metrics(values)
+    assert out == {"t": 2.5, "i": 7, "np_f": 0.25, "np_i": 4, "flag": True, "name": "x"}
+    assert [type(v) for v in out.values()] == [float, int, float, int, bool, str]
+    assert isinstance(values["t"], torch.Tensor)  # the input is unchanged
+
+
+@given(
+    st.dictionaries(
+        st.text(), st.one_of(st.integers(), st.floats(allow_nan=False), st.text())
+    )
+)
+def test_normalize_metrics_keeps_plain_values(
+    values: dict[str, int | float | str],
+) -> None:
+    out = normalize_metrics(values)
+    assert out == values and out is not values
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "match"),
+    [
+        (
+            {"loss": torch.ones(3)},
+            ValueError,
+            r"value 'loss' is a tensor with 3 elements \(shape \(3,\)\)",
+        ),
+        ({"loss": torch.ones(0)}, ValueError, r"tensor with 0 elements"),
+        ({"loss": [1.0]}, TypeError, r"value 'loss' is \[1.0\] \(list\); log an int"),
+        ({"loss": None}, TypeError, r"value 'loss' is None \(NoneType\)"),
+        ({"loss": 1j}, TypeError, r"\(complex\)"),
+        ({1: 1.0}, TypeError, r"keys must be str; got 1 \(int\)"),
+    ],
+)
+def test_normalize_metrics_rejects_bad_values(
+    values: dict[Any, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        normalize_metrics(values, caller="X.log")
+
+
+def test_normalize_config_accepts_none_and_rejects_containers() -> None:
+    assert normalize_config({"a": None, "b": torch.tensor(1.5)}) == {
+        "a": None,
+        "b": 1.5,
+    }
+    with pytest.raises(
+        TypeError, match=r"configuration value 'betas' is \(0.9, 0.99\) .*str\(betas\)"
+    ):
+        normalize_config({"betas": (0.9, 0.99)})
+
+
+# ---------------------------------------------------------------- file trackers
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_in_memory_tracker_refuses_records_after_finish() -> None:
+    tracker = InMemoryTracker(name="mem")
+    tracker.finish()
+    with pytest.raises(
+        ValueError, match=r"InMemoryTracker.log: the tracker was finished"
+    ):
+        tracker.log({"loss": 1.0})
+    with pytest.raises(ValueError, match="name must not be empty"):
+        InMemoryTracker(name="")
+
+
+FileTracker = Callable[[Path], JSONLTracker | CSVTracker]
+FILE_TRACKERS: dict[str, FileTracker] = {
+    "jsonl": lambda d: JSONLTracker(d / "sub" / "m.jsonl"),
+    "csv": lambda d: CSVTracker(d / "sub" / "m.csv"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FILE_TRACKERS))
+def test_file_trackers_touch_nothing_before_first_gated_call(
+    tmp_path: Path, kind: str
+) -> None:
+    tracker = FILE_TRACKERS[kind](tmp_path)
+    log_metrics(_rank(1), [tracker], {"loss": 1.0})
+    finish_trackers(_rank(1), [tracker])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", sorted(FILE_TRACKERS))
+@pytest.mark.parametrize(
+    ("bad", "error"), [(torch.ones(2), ValueError), (object(), TypeError)]
+)
+def test_file_trackers_reject_bad_values_before_writing(
+    tmp_path: Path, kind: str, bad: object, error: type[Exception]
+) -> None:
+    tracker = FILE_TRACKERS[kind](tmp_path)
+    with pytest.raises(error, match=r"Tracker.log: value 'loss'"):
+        tracker.log({"loss": bad})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", sorted(FILE_TRACKERS))
+def test_file_trackers_name_an_unwritable_path(tmp_path: Path, kind: str) -> None:
+    (tmp_path / "sub").write_text("a file where a directory should be")
+    tracker = FILE_TRACKERS[kind](tmp_path)
+    with pytest.raises(OSError, match=r"Tracker: cannot open '.*sub/m\.\w+'"):
+        tracker.log({"loss": 1.0})
+
+
+def test_jsonl_tracker_writes_one_object_per_log(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    tracker = JSONLTracker(path, clock=_clock)
+    store_config(SINGLE, [tracker], {"lr": 0.1, "sched": None})
+    tracker.log({"loss": torch.tensor(0.5), "tag": "a"}, step=1)
+    log_metrics(SINGLE, [tracker], {"loss": float("nan")})
+    # Each record is flushed at once: readable before finish().
+    records = _jsonl(path)
+    assert records[:2] == [
+        {"config": {"lr": 0.1, "sched": None}, "time": 1234.5},
+        {"step": 1, "time": 1234.5, "loss": 0.5, "tag": "a"},
+    ]
+    assert records[2]["step"] is None and math.isnan(records[2]["loss"])
+    finish_trackers(SINGLE, [tracker])
+    finish_trackers(SINGLE, [tracker])  # twice is harmless
+    with pytest.raises(ValueError, match=r"JSONLTracker.log: the tracker was finished"):
+        tracker.log({"loss": 1.0})
+
+
+def test_jsonl_tracker_appends_to_an_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    for step in (0, 1):
+        tracker = JSONLTracker(path, clock=_clock)
+        tracker.log({"loss": float(step)}, step=step)
+        tracker.finish()
+    assert [r["step"] for r in _jsonl(path)] == [0, 1]
+
+
+@pytest.mark.parametrize("key", ["step", "time", "config"])
+def test_jsonl_tracker_rejects_reserved_keys(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError, match=rf"'{key}' is a reserved key"):
+        JSONLTracker(tmp_path / "m.jsonl").log({key: 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+def _csv(path: Path) -> list[list[str]]:
+    with path.open(newline="") as handle:
+        return list(csv.reader(handle))
+
+
+def test_csv_tracker_fixes_columns_at_first_log(tmp_path: Path) -> None:
+    path = tmp_path / "m.csv"
+    tracker = CSVTracker(path, clock=_clock)
+    tracker.log({"loss": 0.5, "acc": torch.tensor([0.75])}, step=0)
+    tracker.log({"acc": 1.0})
+    with pytest.raises(
+        ValueError,
+        match=r"metric 'lr' has no column .* \['step', 'time', 'loss', 'acc'\]",
+    ):
+        tracker.log({"loss": 0.1, "lr": 0.01}, step=2)
+    tracker.finish()
+    assert tracker.columns == ("step", "time", "loss", "acc")
+    assert _csv(path) == [
+        ["step", "time", "loss", "acc"],
+        ["0", "1234.5", "0.5", "0.75"],
+        ["", "1234.5", "", "1.0"],
+    ]
+
+
+def test_csv_tracker_resumes_with_the_existing_header(tmp_path: Path) -> None:
+    path = tmp_path / "m.csv"
+    first = CSVTracker(path, clock=_clock)
+    first.log({"loss": 1.0, "note": "a, b"}, step=0)
+    first.finish()
+    second = CSVTracker(path, clock=_clock)
+    second.log({"note": "c"}, step=1)
+    second.finish()
+    assert _csv(path) == [
+        ["step", "time", "loss", "note"],
+        ["0", "1234.5", "1.0", "a, b"],
+        ["1", "1234.5", "", "c"],
+    ]
+
+
+def test_csv_tracker_refuses_a_foreign_csv(tmp_path: Path) -> None:
+    path = tmp_path / "m.csv"
+    path.write_text("epoch,loss\n0,1.0\n")
+    with pytest.raises(ValueError, match=r"exists with header \['epoch', 'loss'\]"):
+        CSVTracker(path).log({"loss": 1.0})
+    assert path.read_text() == "epoch,loss\n0,1.0\n"
+
+
+def test_csv_tracker_merges_configuration_into_a_json_file(tmp_path: Path) -> None:
+    tracker = CSVTracker(tmp_path / "m.csv")
+    assert tracker.config_path == tmp_path / "m.config.json"
+    tracker.store_init_configuration({"lr": 0.1, "opt": "adam"})
+    tracker.store_init_configuration({"lr": 0.2, "sched": None})
+    stored = json.loads(tracker.config_path.read_text())
+    assert stored == {"lr": 0.2, "opt": "adam", "sched": None}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.config.json"]
+    tracker.config_path.write_text("[1, 2]")
+    with pytest.raises(
+        ValueError, match=r"m\.config\.json' exists but does not hold a JSON object"
+    ):
+        tracker.store_init_configuration({"lr": 0.3})
+
+
+def test_file_trackers_reject_path_of_wrong_type() -> None:
+    with pytest.raises(
+        TypeError, match=r"JSONLTracker: path must be a str or os.PathLike; got 3"
+    ):
+        JSONLTracker(3)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"CSVTracker: main_process_only must be a bool"
+    ):
+        CSVTracker("m.csv", main_process_only=1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_tracker_names_the_extra_when_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ImportError, match=r"pip install funcaccel\[tensorboard\]"):
+        TensorBoardTracker(tmp_path)
+
+
+def test_tensorboard_tracker_writes_events_read_back(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # type: ignore[import-untyped]
+    from tensorboard.plugins.hparams import plugin_data_pb2  # type: ignore[import-untyped]
+
+    logdir = tmp_path / "run"
+    tracker = TensorBoardTracker(logdir)
+    log_metrics(_rank(1), [tracker], {"loss": 1.0})
+    assert not logdir.exists()  # nothing before the first gated call
+    store_config(SINGLE, [tracker], {"lr": 0.1, "opt": "adam", "sched": None})
+    log_metrics(
+        SINGLE, [tracker], {"loss": _any(torch.tensor(0.5)), "note": "hi"}, step=3
+    )
+    log_metrics(SINGLE, [tracker], {"loss": 0.25}, step=4)
+    with pytest.raises(
+        ValueError, match=r"TensorBoardTracker.log: value 'loss' is a tensor"
+    ):
+        tracker.log({"loss": torch.ones(2)})
+    finish_trackers(SINGLE, [tracker])
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(3, 0.5), (4, 0.25)]
+    (text,) = events.Tensors("note/text_summary")
+    assert (text.step, text.tensor_proto.string_val) == (3, [b"hi"])
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert start.hparams["lr"].number_value == 0.1
+    assert start.hparams["opt"].string_value == "adam"
+    assert start.hparams["sched"].string_value == "None"
+    with pytest.raises(
+        ValueError, match="TensorBoardTracker.log: the tracker was finished"
+    ):
+        tracker.log({"loss": 1.0})
+
+
+def test_tensorboard_tracker_names_an_unwritable_logdir(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    (tmp_path / "file").write_text("x")
+    tracker = TensorBoardTracker(tmp_path / "file" / "run")
+    with pytest.raises(
+        OSError,
+        match=r"TensorBoardTracker: cannot create the event file in '.*file/run'",
+    ):
+        tracker.log({"loss": 1.0})
