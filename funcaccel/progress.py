@@ -1,0 +1,160 @@
+"""A progress display shown by the main process only.
+
+``progress(ctx, iterable)`` yields the items of ``iterable`` unchanged on every
+rank. On the main process it also shows progress on stderr: a tqdm bar when tqdm is
+importable, otherwise a plain line every ``every`` items and after the last one.
+Other ranks print nothing, so a run on 8 processes shows one bar, not 8.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import time
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Sized
+from typing import Final
+from typing import Protocol
+from typing import TypeVar
+
+from funcaccel.context import DistributedContext
+
+__all__ = ["progress"]
+
+T = TypeVar("T")
+
+_UNSIZED_EVERY: Final = 100
+_LINES_WHEN_SIZED: Final = 10
+
+
+class _Bar(Protocol):
+    def update(self, n: int = 1) -> object: ...
+
+    def close(self) -> None: ...
+
+
+class _BarFactory(Protocol):
+    def __call__(self, *, total: int | None, desc: str | None) -> _Bar: ...
+
+
+def _load_tqdm() -> _BarFactory | None:
+    """Return ``tqdm.tqdm``, or ``None`` when tqdm cannot be imported."""
+    try:
+        # import_module keeps mypy from needing tqdm's (absent) type stubs.
+        module = importlib.import_module("tqdm")
+    except ImportError:
+        return None
+    factory: _BarFactory = module.tqdm
+    return factory
+
+
+def _bar_items(
+    factory: _BarFactory, items: Iterable[T], total: int | None, desc: str | None
+) -> Iterator[T]:
+    bar = factory(total=total, desc=desc)
+    try:
+        for item in items:
+            yield item
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _line(label: str, done: int, total: int | None, start: float) -> str:
+    elapsed = time.monotonic() - start
+    if total:
+        return f"{label}: {done}/{total} ({100 * done / total:.0f}%) in {elapsed:.1f}s"
+    return f"{label}: {done} in {elapsed:.1f}s"
+
+
+def _plain_items(
+    items: Iterable[T], total: int | None, desc: str | None, every: int
+) -> Iterator[T]:
+    label = desc or "progress"
+    start = time.monotonic()
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        if done % every == 0:
+            print(_line(label, done, total, start), file=sys.stderr, flush=True)
+    if done % every != 0 or done == 0:
+        print(_line(label, done, total, start), file=sys.stderr, flush=True)
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        msg = (
+            f"progress: {name} must be an int or None; got {value!r} "
+            f"({type(value).__name__})."
+        )
+        raise TypeError(msg)
+    if value < minimum:
+        msg = f"progress: {name} must be >= {minimum}; got {value}."
+        raise ValueError(msg)
+
+
+def progress(
+    ctx: DistributedContext,
+    iterable: Iterable[T],
+    *,
+    total: int | None = None,
+    desc: str | None = None,
+    every: int | None = None,
+) -> Iterator[T]:
+    """Yield the items of ``iterable``, showing progress on the main process only.
+
+    With 2 ranks, ``for batch in progress(ctx, loader, desc="train")`` shows one
+    bar, from rank 0; rank 1 iterates silently. Nothing is printed before the
+    first item is requested.
+
+    Args:
+        ctx: the distributed context; ``ctx.is_main_process`` decides who shows.
+        iterable: what to iterate; consumed once, items passed through unchanged.
+        total: the number of items; ``len(iterable)`` when ``None`` and sized.
+        desc: the label shown before the count (``"progress"`` in plain lines).
+        every: the plain display prints a line every ``every`` items (and after
+            the last one); by default about 10 lines when the total is known,
+            else every 100 items. tqdm refreshes by time and ignores it.
+
+    Returns:
+        An iterator over the same items.
+
+    Raises:
+        TypeError: ``ctx``, ``iterable``, ``total``, ``desc`` or ``every`` of the
+            wrong type.
+        ValueError: a negative ``total`` or an ``every`` below 1.
+    """
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"progress: ctx must be a DistributedContext; got {ctx!r} "
+            f"({type(ctx).__name__}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if not isinstance(iterable, Iterable):
+        msg = (
+            f"progress: iterable must be iterable; got {iterable!r} "
+            f"({type(iterable).__name__})."
+        )
+        raise TypeError(msg)
+    _check_count("total", total, 0)
+    _check_count("every", every, 1)
+    if desc is not None and not isinstance(desc, str):
+        msg = f"progress: desc must be a str or None; got {desc!r} ({type(desc).__name__})."
+        raise TypeError(msg)
+    if not ctx.is_main_process:
+        return iter(iterable)
+    if total is None and isinstance(iterable, Sized):
+        total = len(iterable)
+    factory = _load_tqdm()
+    if factory is not None:
+        return _bar_items(factory, iterable, total, desc)
+    if every is None:
+        every = (
+            max(1, math.ceil(total / _LINES_WHEN_SIZED)) if total else _UNSIZED_EVERY
+        )
+    return _plain_items(iterable, total, desc, every)

@@ -1,0 +1,133 @@
+"""Tests for progress: tqdm or plain lines on the main process, silence elsewhere."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.progress import progress
+
+MAIN = DistributedContext()
+
+
+def _rank(rank: int) -> DistributedContext:
+    return DistributedContext(
+        num_processes=2, process_index=rank, distributed_type=DistributedType.MULTI_CPU
+    )
+
+
+def _no_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry in sys.modules makes `import tqdm` raise ImportError.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+
+
+def _generate(n: int) -> Iterator[int]:
+    yield from range(n)
+
+
+def test_progress_shows_a_tqdm_bar_on_the_main_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("tqdm")
+    assert list(progress(MAIN, ["a", "b", "c"], desc="train")) == ["a", "b", "c"]
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.search(r"train: 100%.*3/3", captured.err)
+
+
+def test_progress_prints_plain_lines_without_tqdm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    assert list(progress(MAIN, range(5), desc="eval", every=2)) == [0, 1, 2, 3, 4]
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    counts = re.findall(r"^eval: (\d+)/5 \((\d+)%\) in \d+\.\ds$", captured.err, re.M)
+    assert counts == [("2", "40"), ("4", "80"), ("5", "100")]
+
+
+def test_progress_plain_default_prints_about_ten_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    assert sum(progress(MAIN, range(95))) == sum(range(95))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == [
+        f"{n}/95" for n in (*range(10, 95, 10), 95)
+    ]
+    assert all(line.startswith("progress: ") for line in lines)
+
+
+def test_progress_plain_counts_unsized_iterables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    assert list(progress(MAIN, _generate(250))) == list(range(250))
+    counts = re.findall(r"^progress: (\d+) in", capsys.readouterr().err, re.M)
+    assert counts == ["100", "200", "250"]
+
+
+def test_progress_plain_reports_an_empty_iterable_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    assert list(progress(MAIN, [], desc="none")) == []
+    assert re.fullmatch(r"none: 0 in \d+\.\ds\n", capsys.readouterr().err)
+
+
+def test_progress_uses_given_total_for_unsized_iterables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    list(progress(MAIN, _generate(4), total=4, every=4))
+    assert capsys.readouterr().err.startswith("progress: 4/4 (100%)")
+
+
+@pytest.mark.parametrize("tqdm_available", [True, False])
+def test_progress_is_silent_on_other_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tqdm_available: bool,
+) -> None:
+    if not tqdm_available:
+        _no_tqdm(monkeypatch)
+    items = _generate(3)
+    assert list(progress(_rank(1), items, desc="train", every=1)) == [0, 1, 2]
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_prints_nothing_before_the_first_item(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    iterator = progress(MAIN, range(3), every=1)
+    assert capsys.readouterr().err == ""
+    assert next(iterator) == 0
+    assert capsys.readouterr().err == ""  # counted once the consumer moves on
+    assert next(iterator) == 1
+    assert capsys.readouterr().err.startswith("progress: 1/3")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"ctx": 0}, TypeError, r"progress: ctx must be a DistributedContext; got 0"),
+        ({"iterable": 5}, TypeError, r"progress: iterable must be iterable; got 5"),
+        ({"total": -1}, ValueError, r"progress: total must be >= 0; got -1"),
+        ({"total": 2.0}, TypeError, r"total must be an int or None; got 2.0"),
+        ({"every": 0}, ValueError, r"progress: every must be >= 1; got 0"),
+        ({"desc": 3}, TypeError, r"desc must be a str or None; got 3 \(int\)"),
+    ],
+)
+def test_progress_rejects_bad_arguments(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    arguments: dict[str, Any] = {"ctx": MAIN, "iterable": [1], **kwargs}
+    with pytest.raises(error, match=match):
+        progress(arguments.pop("ctx"), arguments.pop("iterable"), **arguments)
