@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 from typing import TypeAlias
@@ -53,16 +55,22 @@ __all__ = [
 # torch.distributed.GradBucket, so the bucket is typed Any.
 _CommHook: TypeAlias = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 
-_HOOKS: Final[dict[DDPCommunicationHookType, _CommHook]] = {
-    DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
-    DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
-    DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
-    DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
-}
-_WRAPPERS: Final[dict[DDPCommunicationHookType, Callable[[_CommHook], _CommHook]]] = {
-    DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
-    DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
-}
+_HOOKS: Final[Mapping[DDPCommunicationHookType, _CommHook]] = MappingProxyType(
+    {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+    }
+)
+_WRAPPERS: Final[
+    Mapping[DDPCommunicationHookType, Callable[[_CommHook], _CommHook]]
+] = MappingProxyType(
+    {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+    }
+)
 _POWER_SGD_HOOKS: Final = frozenset(
     {DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD}
 )
@@ -89,7 +97,9 @@ def wrap_model(
     ``PowerSGDState(process_group=None, **comm_state_option)``, optionally inside the
     ``fp16`` / ``bf16`` compress wrapper. With ``fsdp`` the module is sharded in place
     by FSDP2 (see ``FSDPOptions``) and returned: it is its own root. ``forward`` is
-    never replaced; autocast is applied by the training step.
+    never replaced; autocast is applied by the training step. torch 2.13 deprecates
+    DDP's ``broadcast_buffers`` and ``check_reduction``: setting either away from
+    its default makes DDP emit its ``FutureWarning``, which is passed on as is.
 
     With 2 processes, ``wrap_model(ctx, net, DistributedDataParallelKwargs(
     comm_hook="fp16"))`` returns a ``DistributedDataParallel`` on both ranks; after
@@ -248,11 +258,10 @@ def _compiled_module_type() -> type[nn.Module] | None:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the user's module inside ``model``; nothing is changed.
 
-    Walks through ``DistributedDataParallel`` / ``DataParallel`` (``.module``),
-    FSDP1's ``FullyShardedDataParallel`` (``.module``) and ``torch.compile``'s
-    ``OptimizedModule`` (``._orig_mod``), in any nesting. An FSDP2 module
-    (``fully_shard`` changes the module's class in place) is its own root and is
-    returned as is, as is an unwrapped module.
+    Walks through ``DistributedDataParallel`` / ``DataParallel`` (``.module``) and
+    ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), in any nesting. An
+    FSDP2 module (``fully_shard`` changes the module's class in place) is its own
+    root and is returned as is, as is an unwrapped module.
 
     Args:
         model: a module, possibly wrapped.
@@ -277,22 +286,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if compiled is not None and isinstance(model, compiled):
             inner = model._orig_mod
-        elif isinstance(model, (DistributedDataParallel, DataParallel)) or (
-            _is_fsdp1(model)
-        ):
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
             inner = model.module
         else:
             return model
         assert isinstance(inner, nn.Module), type(inner)
         model = inner
-
-
-def _is_fsdp1(model: nn.Module) -> bool:
-    # FSDP1 is only defined once torch.distributed.fsdp is imported (funcaccel._fsdp
-    # imports it, so the lookup always finds it when distributed is available).
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    fsdp1: object = getattr(fsdp, "FullyShardedDataParallel", None)
-    return isinstance(fsdp1, type) and isinstance(model, fsdp1)
 
 
 def move_optimizer_state_(optimizer: torch.optim.Optimizer) -> int:
