@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.kwargs import AutocastKwargs
+from funcaccel.mixed_precision import _a
 from funcaccel.mixed_precision import _check_ctx
 from funcaccel.mixed_precision import _check_norm
 from funcaccel.mixed_precision import _check_scaler
@@ -110,7 +111,7 @@ class GradState:
         for name, kind in _FIELD_TYPES.items():
             value = getattr(self, name)
             if type(value) is not kind:
-                msg = f"GradState: {name} must be a {kind.__name__}; got {value!r} ({type(value).__name__})."
+                msg = f"GradState: {name} must be {_a(kind.__name__)}; got {value!r} ({type(value).__name__})."
                 raise TypeError(msg)
         k = self.accumulation_steps
         if k < 1:

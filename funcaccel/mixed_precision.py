@@ -78,16 +78,21 @@ def as_tuple_of(
         for item in items:
             if not isinstance(item, kind):
                 msg = (
-                    f"{caller}: every item of {name} must be a {kind.__name__}; got "
+                    f"{caller}: every item of {name} must be {_a(kind.__name__)}; got "
                     f"{item!r} ({type(item).__name__})."
                 )
                 raise TypeError(msg)
         return items
     msg = (
-        f"{caller}: {name} must be a {kind.__name__} or a sequence of them; got "
+        f"{caller}: {name} must be {_a(kind.__name__)} or a sequence of them; got "
         f"{value!r} ({type(value).__name__})."
     )
     raise TypeError(msg)
+
+
+def _a(word: str) -> str:
+    """Return ``word`` with its indefinite article, for messages."""
+    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
 
 
 def _check_ctx(ctx: object, caller: str) -> None:
@@ -309,10 +314,9 @@ def optimizer_step(
 
     The skip is read from the scaler's own per-optimizer inf record, the very value
     ``scaler.step`` tested, before ``update()`` clears it. Comparing the scale
-    before and after ``update()`` is not reliable: the scale cannot shrink once it
-    has underflowed to 0, a hand-built scaler may have ``backoff_factor=1``, a
-    disabled scaler keeps a constant scale, and with several optimizers it cannot
-    tell which one skipped.
+    before and after ``update()`` would be wrong once the scale has underflowed to
+    0 (``0 * backoff_factor == 0``: a skipped step leaves it unchanged), and it
+    cannot tell which of several optimizers skipped.
 
     Returns:
         Whether the step was skipped (for any optimizer) by the scaler.
