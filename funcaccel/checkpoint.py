@@ -1,0 +1,531 @@
+"""Checkpoints of a whole training state, written atomically and resumable exactly.
+
+``save_checkpoint(ctx, directory, ...)`` writes one numbered checkpoint
+(``directory/checkpoint-000001``, ``-000002``, ...) holding the models, optimizers,
+schedulers, grad scaler and other ``Stateful`` objects, the ``GradState`` and
+``LoaderState`` values, every rank's RNG states and free-form JSON metadata.
+``load_checkpoint(ctx, path, ...)`` puts the torch objects back in place and returns
+the values as a ``LoadedState``; ``latest_checkpoint(directory)`` finds the newest
+complete one. A resumed run ends bit for bit where an uninterrupted one would.
+
+Layout of one checkpoint (``"torch"`` format: one process or DDP)::
+
+    manifest.json              written last; lists every file with size (and SHA-256)
+    model_0.pt optimizer_0.pt  rank 0 writes the unwrapped models and the optimizers
+    scheduler_0.pt scaler.pt object_<name>.pt
+    rng_rank_0.pt rng_rank_1.pt ...   each rank writes its own RNG states
+
+With FSDP2 models (``"dcp"`` format) models and optimizers live in ``dcp/``
+instead, sharded by ``torch.distributed.checkpoint`` so that a checkpoint written on
+2 processes loads on 1 or 3. ``directory`` must be shared by all ranks.
+
+**Atomicity.** Every rank writes into ``directory/.checkpoint-N.tmp`` and fsyncs;
+after all ranks report success, rank 0 writes ``manifest.json``, renames the
+directory to ``checkpoint-N`` and then replaces the pointer file ``latest``
+(write, fsync, ``os.replace``). Only after that are checkpoints beyond
+``keep_last`` and leftover temporary directories deleted. A process killed at any
+moment therefore leaves ``latest`` naming a complete checkpoint.
+
+**Accumulation windows.** Gradients of an open accumulation window are not part of
+a checkpoint (SPEC §6), so ``save_checkpoint`` refuses a ``GradState`` with
+``micro_step != 0``: save right after an optimizer step (``grad.sync_gradients``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
+from typing import runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from funcaccel import _dcp
+from funcaccel._fsdp import is_fsdp_module
+from funcaccel._manifest import SCHEMA_VERSION
+from funcaccel._manifest import CheckpointMeta
+from funcaccel._manifest import FileEntry
+from funcaccel._manifest import check_json_value
+from funcaccel._manifest import latest_checkpoint
+from funcaccel._manifest import list_checkpoints
+from funcaccel._manifest import read_manifest
+from funcaccel._rng import capture_rng_state
+from funcaccel._rng import restore_rng_state
+from funcaccel.accumulate import GradState
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+from funcaccel.loader import LoaderState
+from funcaccel.model import unwrap_model
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CheckpointMeta",
+    "FileEntry",
+    "LoadedState",
+    "Stateful",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_checkpoint_meta",
+    "save_checkpoint",
+]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything checkpointed through ``state_dict()`` / ``load_state_dict(state)``.
+
+    Torch's optimizers, schedulers and ``GradScaler`` take a ``dict`` (not any
+    mapping), so the argument is typed loosely.
+    """
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedState:
+    """What ``load_checkpoint`` returns besides the torch objects it loaded in place.
+
+    Args:
+        path: the checkpoint directory that was loaded.
+        meta: its manifest (counts, saved world size, files, values).
+        rng_restored: this rank's generators restored from the checkpoint; empty
+            with ``restore_rng=False`` or when no rank of that index saved any.
+    """
+
+    path: Path
+    meta: CheckpointMeta
+    rng_restored: tuple[str, ...]
+
+    @property
+    def grad(self) -> GradState | None:
+        """The saved ``GradState`` (its window closed), or ``None``."""
+        return self.meta.grad
+
+    @property
+    def loader(self) -> LoaderState | None:
+        """The ``LoaderState`` to resume the loader from, or ``None``."""
+        return self.meta.loader
+
+    @property
+    def extra(self) -> Mapping[str, Any]:
+        """The saved user metadata."""
+        return self.meta.extra
+
+
+def _as_tuple(value: object, kind: type[T], name: str, caller: str) -> tuple[T, ...]:
+    if isinstance(value, kind):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = tuple(value)
+        if all(isinstance(item, kind) for item in items):
+            return items
+    msg = (
+        f"{caller}: {name} must be a {kind.__name__} or a sequence of them; got "
+        f"{value!r} ({type(value).__name__})."
+    )
+    raise TypeError(msg)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Objects:
+    """The torch objects a caller passes to save or load, validated, as tuples."""
+
+    models: tuple[nn.Module, ...]
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    schedulers: tuple[Stateful, ...]
+    scaler: torch.amp.GradScaler | None
+    named: dict[str, Stateful]
+
+
+def _check_call(
+    ctx: object,
+    caller: str,
+    models: object,
+    optimizers: object,
+    schedulers: object,
+    scaler: object,
+    objects: object,
+) -> _Objects:
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"({type(ctx).__name__}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        msg = (
+            f"{caller}: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
+        )
+        raise TypeError(msg)
+    if objects is not None and not isinstance(objects, Mapping):
+        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {objects!r}."
+        raise TypeError(msg)
+    named = dict(objects or {})
+    for key, value in named.items():
+        if not isinstance(key, str) or not key.replace("_", "").isalnum():
+            msg = f"{caller}: objects keys name files and must be letters, digits and '_'; got {key!r}."
+            raise ValueError(msg)
+        if not isinstance(value, Stateful):
+            msg = f"{caller}: objects[{key!r}] needs state_dict()/load_state_dict(); got {type(value).__name__}."
+            raise TypeError(msg)
+    require_process_group(ctx, caller)
+    return _Objects(
+        _as_tuple(models, nn.Module, "models", caller),
+        _as_tuple(optimizers, torch.optim.Optimizer, "optimizers", caller),
+        _as_tuple(schedulers, Stateful, "schedulers", caller),  # type: ignore[type-abstract]
+        scaler,
+        named,
+    )
+
+
+def _all_gather(ctx: DistributedContext, value: T) -> list[T]:
+    if ctx.num_processes == 1:
+        return [value]
+    gathered: list[Any] = [None] * ctx.num_processes
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_failures(errors: Sequence[str | None], what: str, caller: str) -> None:
+    """Raise one error naming every rank that failed (none waits for the others)."""
+    failures = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failures:
+        msg = f"{caller}: {what}; " + "; ".join(failures)
+        raise RuntimeError(msg)
+
+
+def read_checkpoint_meta(
+    path: str | os.PathLike[str], *, verify: bool = False
+) -> CheckpointMeta:
+    """Read and check a checkpoint's manifest; load nothing.
+
+    Every file it lists must exist with its recorded size; with ``verify`` the
+    SHA-256 of each hashed file must match too.
+
+    Raises:
+        ValueError: no manifest (not a checkpoint, or an interrupted save), an
+            unreadable or other-schema manifest, or a missing, truncated or changed
+            file; the message names the file.
+    """
+    return read_manifest(Path(path), verify=verify, caller="read_checkpoint_meta")
+
+
+def _check_save_values(
+    caller: str, grad: object, loader: object, extra: object, keep_last: object
+) -> dict[str, Any]:
+    if grad is not None and not isinstance(grad, GradState):
+        msg = f"{caller}: grad must be a GradState or None; got {grad!r} ({type(grad).__name__})."
+        raise TypeError(msg)
+    if loader is not None and not isinstance(loader, LoaderState):
+        msg = f"{caller}: loader must be a LoaderState or None; got {loader!r} ({type(loader).__name__})."
+        raise TypeError(msg)
+    if isinstance(grad, GradState) and grad.micro_step != 0:
+        msg = (
+            f"{caller}: grad has an open accumulation window (micro_step="
+            f"{grad.micro_step} of accumulation_steps={grad.accumulation_steps}); its "
+            "gradients are not part of a checkpoint, so a resume would lose them. Save "
+            "right after an optimizer step, when grad.sync_gradients is True."
+        )
+        raise ValueError(msg)
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        msg = f"{caller}: keep_last must be an int >= 1 or None; got {keep_last!r}."
+        raise ValueError(msg)
+    if extra is not None and not isinstance(extra, Mapping):
+        msg = f"{caller}: extra must be a dict of JSON values or None; got {extra!r}."
+        raise TypeError(msg)
+    copied: dict[str, Any] = check_json_value(dict(extra or {}), "extra", caller)
+    return copied
+
+
+def _write_rank_files(
+    ctx: DistributedContext, temporary: Path, objs: _Objects, *, rng: bool, whole: bool
+) -> dict[str, FileEntry]:
+    entries: dict[str, FileEntry] = {}
+
+    def write(name: str, obj: object) -> None:
+        size, digest = _dcp.write_torch_file(obj, temporary / name)
+        entries[name] = FileEntry(size=size, sha256=digest)
+
+    if rng:
+        write(f"rng_rank_{ctx.process_index}.pt", capture_rng_state())
+    if not ctx.is_main_process:
+        return entries
+    if whole:  # replicated (DDP) or single-process state: rank 0 holds all of it
+        for index, model in enumerate(objs.models):
+            write(f"model_{index}.pt", unwrap_model(model).state_dict())
+        for index, optimizer in enumerate(objs.optimizers):
+            write(f"optimizer_{index}.pt", optimizer.state_dict())
+    for index, scheduler in enumerate(objs.schedulers):
+        write(f"scheduler_{index}.pt", scheduler.state_dict())
+    if objs.scaler is not None:
+        write("scaler.pt", objs.scaler.state_dict())
+    for key, value in objs.named.items():
+        write(f"object_{key}.pt", value.state_dict())
+    return entries
+
+
+def save_checkpoint(
+    ctx: DistributedContext,
+    directory: str | os.PathLike[str],
+    *,
+    models: nn.Module | Sequence[nn.Module] = (),
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    schedulers: Stateful | Sequence[Stateful] = (),
+    scaler: torch.amp.GradScaler | None = None,
+    objects: Mapping[str, Stateful] | None = None,
+    grad: GradState | None = None,
+    loader: LoaderState | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+    save_rng: bool = True,
+) -> Path:
+    """Write a new checkpoint of the training state into ``directory`` (collective).
+
+    Every rank calls it with the same arguments (its own replica or shards); nothing
+    passed is changed and no RNG is advanced. It returns on every rank once the
+    checkpoint is complete and ``directory/latest`` names it.
+
+    With 2 DDP processes and one model and optimizer, ``checkpoint-000001`` gets
+    ``model_0.pt`` and ``optimizer_0.pt`` from rank 0, ``rng_rank_0.pt`` and
+    ``rng_rank_1.pt`` from each rank, then ``manifest.json``.
+
+    Args:
+        ctx: the distributed context.
+        directory: where this run's checkpoints go, shared by all ranks (created if
+            missing).
+        models: models, wrapped or not; saved unwrapped, FSDP2 ones sharded.
+        optimizers: their optimizers (with FSDP2, each updates one of ``models``).
+        schedulers: LR schedulers, or anything with ``state_dict``.
+        scaler: the fp16 grad scaler, if any.
+        objects: other ``Stateful`` objects by name; rank 0's state is saved.
+        grad: the ``GradState``; its window must be closed (``micro_step == 0``).
+        loader: the ``LoaderState`` to resume from (the last ``batch.state``).
+        extra: JSON values (str, int, finite float, bool, None, list, dict).
+        keep_last: keep only the newest ``keep_last`` checkpoints (>= 1).
+        save_rng: save each rank's Python, torch, CUDA and NumPy RNG states.
+
+    Returns:
+        The new checkpoint's path, ``directory/checkpoint-NNNNNN``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an open accumulation window, non-JSON ``extra``, a bad
+            ``keep_last`` or object name.
+        RuntimeError: a rank failed to write (raised on every rank; the previous
+            checkpoint stays current), or no process group matching ``ctx``.
+    """
+    caller = "save_checkpoint"
+    objs = _check_call(ctx, caller, models, optimizers, schedulers, scaler, objects)
+    extra_dict = _check_save_values(caller, grad, loader, extra, keep_last)
+    if type(save_rng) is not bool:
+        msg = f"{caller}: save_rng must be a bool; got {save_rng!r}."
+        raise TypeError(msg)
+    state_format = _dcp.choose_format(objs.models)
+    if state_format == "dcp":
+        _dcp.pair_optimizers(objs.models, objs.optimizers, caller=caller)
+    root = Path(directory)
+    name, error = "", None
+    if ctx.is_main_process:
+        try:
+            name = _dcp.prepare(root)
+        except OSError as failure:
+            error = f"cannot create a checkpoint in {root}: {failure}"
+    failed = "the checkpoint was not written"
+    name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
+    _raise_failures([error], failed, caller)
+    temporary = _dcp.temporary_dir(root, name)
+    entries: dict[str, FileEntry] = {}
+    error = None
+    try:
+        entries = _write_rank_files(
+            ctx, temporary, objs, rng=save_rng, whole=state_format == "torch"
+        )
+    except (OSError, RuntimeError) as failure:
+        error = f"writing into {temporary} failed: {failure}"
+    gathered = _all_gather(ctx, (entries, error))
+    _raise_failures([e for _, e in gathered], failed, caller)
+    if state_format == "dcp":
+        _dcp.save_sharded(
+            ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
+        )
+    if ctx.is_main_process:
+        files = {k: v for rank_entries, _ in gathered for k, v in rank_entries.items()}
+        if state_format == "dcp":
+            for key, size in _dcp.file_sizes(temporary / "dcp").items():
+                files[f"dcp/{key}"] = FileEntry(size=size)
+        meta = CheckpointMeta(
+            world_size=ctx.num_processes,
+            state_format=state_format,
+            models=len(objs.models),
+            optimizers=len(objs.optimizers),
+            schedulers=len(objs.schedulers),
+            scaler=objs.scaler is not None,
+            objects=tuple(objs.named),
+            rng=save_rng,
+            grad=grad,
+            loader=loader,
+            extra=extra_dict,
+            files=files,
+        )
+        try:
+            _dcp.commit(root, name, meta.to_dict(), keep_last=keep_last)
+        except OSError as failure:
+            error = f"committing {temporary} failed: {failure}"
+    # Also the barrier: no rank returns before the checkpoint is complete.
+    _raise_failures(_all_gather(ctx, error), failed, caller)
+    return root / name
+
+
+def _load_into(target: Stateful, file: Path, what: str, caller: str) -> None:
+    state = _dcp.read_torch_file(file, caller=caller)
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        msg = (
+            f"{caller}: {file} does not fit {what} ({type(error).__name__}: {first}); "
+            f"pass the same {what.split('[')[0]} as when the checkpoint was saved."
+        )
+        raise ValueError(msg) from error
+
+
+def _check_counts(
+    meta: CheckpointMeta, objs: _Objects, root: Path, caller: str
+) -> None:
+    for label, saved, passed in (
+        ("models", meta.models, len(objs.models)),
+        ("optimizers", meta.optimizers, len(objs.optimizers)),
+        ("schedulers", meta.schedulers, len(objs.schedulers)),
+        ("scaler", int(meta.scaler), int(objs.scaler is not None)),
+        ("objects", sorted(meta.objects), sorted(objs.named)),
+    ):
+        if saved != passed:
+            msg = (
+                f"{caller}: {root} holds {label}={saved}, but {label}={passed} was "
+                f"passed; pass the same {label} as when it was saved, in that order."
+            )
+            raise ValueError(msg)
+    if meta.state_format == "torch":
+        for index, model in enumerate(objs.models):
+            if is_fsdp_module(unwrap_model(model)):
+                msg = (
+                    f"{caller}: {root} holds whole (unsharded) state dicts, but "
+                    f"models[{index}] is sharded by FSDP2; load it into the unsharded "
+                    "model, or resume from a checkpoint saved with FSDP2."
+                )
+                raise ValueError(msg)
+
+
+def _read_checked(
+    ctx: DistributedContext, root: Path, objs: _Objects, *, verify: bool, caller: str
+) -> CheckpointMeta:
+    error: ValueError | None = None
+    meta: CheckpointMeta | None = None
+    try:
+        meta = read_manifest(root, verify=verify, caller=caller)
+        _check_counts(meta, objs, root, caller)
+    except ValueError as failure:
+        error = failure
+    # Every rank learns of any failure before the collective DCP load can start.
+    errors = _all_gather(ctx, None if error is None else str(error))
+    if error is not None:
+        raise error
+    errors[ctx.process_index] = None
+    _raise_failures(errors, f"{root} cannot be loaded", caller)
+    assert meta is not None
+    return meta
+
+
+def load_checkpoint(
+    ctx: DistributedContext,
+    path: str | os.PathLike[str],
+    *,
+    models: nn.Module | Sequence[nn.Module] = (),
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    schedulers: Stateful | Sequence[Stateful] = (),
+    scaler: torch.amp.GradScaler | None = None,
+    objects: Mapping[str, Stateful] | None = None,
+    restore_rng: bool = True,
+    verify: bool = True,
+) -> LoadedState:
+    """Load a checkpoint into the objects passed, in place, and return its values.
+
+    Pass the same kinds and numbers of objects, in the same order, as to
+    ``save_checkpoint``; the models wrapped or not. A sharded (FSDP2) checkpoint
+    loads on any world size, into FSDP2, DDP or plain models; a whole one into DDP
+    or plain models. Each rank restores the RNG states its rank saved; with 2 saving
+    and 3 loading processes, rank 2 keeps its own (``rng_restored`` is empty).
+    Collective for sharded checkpoints.
+
+    Args:
+        ctx: the distributed context.
+        path: a checkpoint directory, e.g. ``latest_checkpoint(directory)``.
+        models, optimizers, schedulers, scaler, objects: loaded in place.
+        restore_rng: restore this rank's RNG states.
+        verify: check the SHA-256 of every hashed file before loading.
+
+    Returns:
+        A ``LoadedState`` with the ``GradState``, ``LoaderState`` and ``extra``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an incomplete, damaged or other-schema checkpoint, or objects
+            that do not match it; the message names the file.
+        RuntimeError: another rank failed to read it, or no matching group.
+    """
+    caller = "load_checkpoint"
+    objs = _check_call(ctx, caller, models, optimizers, schedulers, scaler, objects)
+    for flag, given in (("restore_rng", restore_rng), ("verify", verify)):
+        if type(given) is not bool:
+            msg = f"{caller}: {flag} must be a bool; got {given!r}."
+            raise TypeError(msg)
+    root = Path(path)
+    meta = _read_checked(ctx, root, objs, verify=verify, caller=caller)
+    if meta.state_format == "dcp":
+        _dcp.load_sharded(
+            ctx, root / "dcp", objs.models, objs.optimizers, caller=caller
+        )
+    else:
+        for index, model in enumerate(objs.models):
+            _load_into(
+                unwrap_model(model),
+                root / f"model_{index}.pt",
+                f"models[{index}]",
+                caller,
+            )
+        for index, optimizer in enumerate(objs.optimizers):
+            _load_into(
+                optimizer,
+                root / f"optimizer_{index}.pt",
+                f"optimizers[{index}]",
+                caller,
+            )
+    for index, scheduler in enumerate(objs.schedulers):
+        _load_into(
+            scheduler, root / f"scheduler_{index}.pt", f"schedulers[{index}]", caller
+        )
+    if objs.scaler is not None:
+        _load_into(objs.scaler, root / "scaler.pt", "scaler", caller)
+    for key, value in objs.named.items():
+        _load_into(value, root / f"object_{key}.pt", f"objects[{key!r}]", caller)
+    restored: tuple[str, ...] = ()
+    rng_file = f"rng_rank_{ctx.process_index}.pt"
+    if restore_rng and rng_file in meta.files:
+        state = _dcp.read_torch_file(root / rng_file, caller=caller)
+        if not isinstance(state, dict):
+            msg = f"{caller}: {root / rng_file} does not hold an RNG state dict; the file is damaged."
+            raise ValueError(msg)
+        restored = restore_rng_state(state, caller=caller)
+    return LoadedState(path=root, meta=meta, rng_restored=restored)
