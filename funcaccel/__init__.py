@@ -28,6 +28,10 @@ from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.kwargs import InitProcessGroupKwargs
 from funcaccel.kwargs import KwargsHandler
 from funcaccel.kwargs import ProfileKwargs
+from funcaccel.model import FSDPOptions
+from funcaccel.model import move_optimizer_state_
+from funcaccel.model import unwrap_model
+from funcaccel.model import wrap_model
 from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
@@ -42,6 +46,7 @@ __all__ = [
     "DistributedContext",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "FSDPOptions",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "KwargsHandler",
@@ -57,8 +62,11 @@ __all__ = [
     "gather",
     "gather_for_metrics",
     "gather_object",
+    "move_optimizer_state_",
     "pad_across_processes",
     "reduce",
     "shard_batch_sampler",
     "shard_iterable_dataset",
+    "unwrap_model",
+    "wrap_model",
 ]
