@@ -65,7 +65,18 @@ def scheduler_steps_due(
     >>> scheduler_steps_due(one, GradState(step_was_skipped=True), step_with_optimizer=False)
     1
     """
-    caller = "scheduler_steps_due"
+    return _steps_due(
+        ctx, grad, split_batches, step_with_optimizer, "scheduler_steps_due"
+    )
+
+
+def _steps_due(
+    ctx: DistributedContext,
+    grad: GradState,
+    split_batches: bool,
+    step_with_optimizer: bool,
+    caller: str,
+) -> int:
     if not isinstance(ctx, DistributedContext):
         msg = f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}."
         raise TypeError(msg)
@@ -132,9 +143,8 @@ def maybe_step_scheduler(
         ValueError: ``metrics`` missing for ``ReduceLROnPlateau``, or given to
             another scheduler.
     """
-    due = scheduler_steps_due(
-        ctx, grad, split_batches=split_batches, step_with_optimizer=step_with_optimizer
-    )
+    caller = "maybe_step_scheduler"
+    due = _steps_due(ctx, grad, split_batches, step_with_optimizer, caller)
     if not callable(getattr(scheduler, "step", None)):
         msg = (
             f"maybe_step_scheduler: scheduler must have a step() method; got "

@@ -1,0 +1,255 @@
+"""maybe_step_scheduler: SPEC §6.1 rules, examples and errors (simulated ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import OneCycleLR
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+from torch.optim.lr_scheduler import StepLR
+
+from funcaccel.accumulate import GradState
+from funcaccel.accumulate import accumulate_step
+from funcaccel.accumulate import advance_grad_state
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.kwargs import GradScalerKwargs
+from funcaccel.mixed_precision import build_grad_scaler
+from funcaccel.scheduler import maybe_step_scheduler
+from funcaccel.scheduler import scheduler_steps_due
+
+ONE = DistributedContext()
+
+
+def _rank(p: int, i: int = 0) -> DistributedContext:
+    if p == 1:
+        return ONE
+    return DistributedContext(
+        num_processes=p, process_index=i, distributed_type=DistributedType.MULTI_CPU
+    )
+
+
+def _optimizer() -> torch.optim.SGD:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+
+def _simulate(
+    ctx: DistributedContext,
+    scheduler: LRScheduler,
+    grad: GradState,
+    flags: Sequence[bool],
+    *,
+    skipped: Sequence[bool] = (),
+    split_batches: bool = False,
+) -> tuple[list[int], list[int]]:
+    """Walk micro-steps as accumulate_step would; return steps and _step_count."""
+    steps, counts = [], []
+    skips = list(skipped) or [False] * len(flags)
+    for flag, skip in zip(flags, skips, strict=True):
+        grad = advance_grad_state(grad, end_of_dataloader=flag, step_was_skipped=skip)
+        if grad.sync_gradients and not grad.step_was_skipped:
+            scheduler.optimizer.step()  # what accumulate_step does; torch checks it
+        steps.append(
+            maybe_step_scheduler(ctx, scheduler, grad, split_batches=split_batches)
+        )
+        counts.append(scheduler._step_count)
+    return steps, counts
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize(
+    ("split_batches", "expected"), [(False, [1, 3, 3, 5]), (True, [1, 2, 2, 3])]
+)
+def test_spec_example_step_lr_two_ranks_k2(
+    rank: int, split_batches: bool, expected: list[int]
+) -> None:
+    scheduler = StepLR(_optimizer(), step_size=1)
+    flags = [False, False, False, True]  # 4 batches per rank
+    _, counts = _simulate(
+        _rank(2, rank),
+        scheduler,
+        GradState(accumulation_steps=2),
+        flags,
+        split_batches=split_batches,
+    )
+    assert counts == expected
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_spec_example_one_cycle_total_3_two_ranks_never_steps_past_its_end(
+    rank: int,
+) -> None:
+    scheduler = OneCycleLR(_optimizer(), max_lr=1.0, total_steps=3)
+    steps, counts = _simulate(_rank(2, rank), scheduler, GradState(), [False] * 3)
+    assert counts == [3, 4, 4]
+    assert steps == [2, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("split_batches", "step_with_optimizer"), [(True, True), (False, False)]
+)
+def test_one_cycle_guard_applies_on_every_path(
+    split_batches: bool, step_with_optimizer: bool
+) -> None:
+    optimizer = _optimizer()
+    scheduler = OneCycleLR(optimizer, max_lr=1.0, total_steps=2)
+    optimizer.step()
+    steps = [
+        maybe_step_scheduler(
+            _rank(4),
+            scheduler,
+            GradState(),
+            split_batches=split_batches,
+            step_with_optimizer=step_with_optimizer,
+        )
+        for _ in range(5)
+    ]
+    assert steps == [1, 1, 0, 0, 0]
+    assert scheduler._step_count == 3
+
+
+def test_spec_example_scaler_ok_inf_ok_one_process() -> None:
+    ctx = dataclasses.replace(ONE, mixed_precision="fp16")
+    scaler = build_grad_scaler(ctx, GradScalerKwargs(init_scale=4))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = StepLR(optimizer, step_size=1)
+    grad, counts, steps = GradState(), [], []
+    for factor in (1.0, float("inf"), 1.0):
+
+        def loss_fn(factor: float = factor) -> torch.Tensor:
+            out: torch.Tensor = model(torch.ones(1, 2))
+            return out.float().sum() * factor
+
+        _, grad = accumulate_step(ctx, grad, model, optimizer, loss_fn, scaler=scaler)
+        steps.append(maybe_step_scheduler(ctx, scheduler, grad))
+        counts.append(scheduler._step_count)
+    assert counts == [2, 2, 3]
+    assert steps == [1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("grad", "split", "with_optimizer", "expected"),
+    [
+        (GradState(), False, True, 3),
+        (GradState(), True, True, 1),
+        (GradState(step_was_skipped=True), False, True, 0),
+        (GradState(step_was_skipped=True), False, False, 1),
+        (GradState(accumulation_steps=2, micro_step=1, sync_gradients=False), False, True, 0),
+        (GradState(accumulation_steps=2, micro_step=1, sync_gradients=False), True, False, 1),
+        (GradState(accumulation_steps=2, end_of_dataloader=True), False, True, 3),
+    ],
+)  # fmt: skip
+def test_scheduler_steps_due_table_on_three_ranks(
+    grad: GradState, split: bool, with_optimizer: bool, expected: int
+) -> None:
+    for rank in range(3):
+        due = scheduler_steps_due(
+            _rank(3, rank),
+            grad,
+            split_batches=split,
+            step_with_optimizer=with_optimizer,
+        )
+        assert due == expected
+
+
+@settings(max_examples=60)
+@given(
+    p=st.integers(1, 4),
+    k=st.integers(1, 4),
+    split=st.booleans(),
+    flags_skips=st.lists(st.tuples(st.booleans(), st.booleans()), max_size=30),
+)
+def test_scheduler_counts_applied_updates_times_processes(
+    p: int, k: int, split: bool, flags_skips: list[tuple[bool, bool]]
+) -> None:
+    grad = GradState(accumulation_steps=k)
+    flags = [f for f, _ in flags_skips]
+    skips = []
+    for flag, skip in flags_skips:  # a skip is only possible on a syncing step
+        after = advance_grad_state(grad, end_of_dataloader=flag)
+        skips.append(skip and after.sync_gradients)
+        grad = advance_grad_state(
+            grad, end_of_dataloader=flag, step_was_skipped=skips[-1]
+        )
+    scheduler = StepLR(_optimizer(), step_size=1)
+    steps, counts = _simulate(
+        _rank(p), scheduler, GradState(accumulation_steps=k), flags,
+        skipped=skips, split_batches=split,
+    )  # fmt: skip
+    assert sum(steps) == (1 if split else p) * grad.optimizer_steps
+    assert scheduler._step_count == 1 + sum(steps)
+
+
+def test_reduce_lr_on_plateau_takes_metrics() -> None:
+    optimizer = _optimizer()
+    scheduler = ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    optimizer.step()
+    for metric in (1.0, 0.5):  # improving: the lr stays
+        assert maybe_step_scheduler(ONE, scheduler, GradState(), metrics=metric) == 1
+    assert optimizer.param_groups[0]["lr"] == 1.0
+    n = maybe_step_scheduler(
+        _rank(2), scheduler, GradState(), metrics=2.0, step_with_optimizer=False
+    )
+    assert n == 1
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    assert scheduler.last_epoch == 3
+    with pytest.raises(
+        ValueError,
+        match=r"maybe_step_scheduler: ReduceLROnPlateau steps on a metric but metrics=None",
+    ):
+        maybe_step_scheduler(ONE, scheduler, GradState())
+
+
+def test_any_object_with_step_is_stepped() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def step(self) -> None:
+            self.calls += 1
+
+    counter = Counter()
+    assert maybe_step_scheduler(_rank(3, 2), counter, GradState()) == 3
+    assert counter.calls == 3
+
+
+def test_maybe_step_scheduler_rejects_bad_input() -> None:
+    scheduler = StepLR(_optimizer(), step_size=1)
+    with pytest.raises(
+        ValueError,
+        match=r"maybe_step_scheduler: metrics=0.5 is only used by ReduceLROnPlateau, not StepLR",
+    ):
+        maybe_step_scheduler(ONE, scheduler, GradState(), metrics=0.5)
+    with pytest.raises(
+        TypeError, match=r"maybe_step_scheduler: scheduler must have a step\(\) method"
+    ):
+        maybe_step_scheduler(ONE, object(), GradState())  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"maybe_step_scheduler: split_batches must be a bool; got 1"
+    ):
+        maybe_step_scheduler(ONE, scheduler, GradState(), split_batches=1)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"maybe_step_scheduler: step_with_optimizer must be a bool"
+    ):
+        maybe_step_scheduler(ONE, scheduler, GradState(), step_with_optimizer=None)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"maybe_step_scheduler: grad must be the GradState"
+    ):
+        maybe_step_scheduler(ONE, scheduler, True)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"maybe_step_scheduler: ctx must be a DistributedContext"
+    ):
+        maybe_step_scheduler(2, scheduler, GradState())  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"scheduler_steps_due: ctx must be a DistributedContext"
+    ):
+        scheduler_steps_due(None, GradState())  # type: ignore[arg-type]
+    assert scheduler._step_count == 1
