@@ -1,0 +1,119 @@
+"""A plain-text report of the software, devices and launch environment, for bug reports.
+
+``python -m funcaccel env`` prints ``env_report(os.environ)``. The report lists the
+versions (funcaccel, torch, CUDA and cuDNN when present, Python, platform), the
+torch.distributed backends this build offers, the CUDA device count, the torchrun
+variables found, and the ``DistributedContext`` that ``context_from_env`` would
+build from them (or its error, which the report shows instead of raising).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Final
+
+import torch
+import torch.distributed as dist
+
+from funcaccel.context import context_from_env
+
+__all__ = ["env_report"]
+
+LAUNCH_VARIABLES: Final[tuple[str, ...]] = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+"""The variables torchrun sets that decide the context (shown when present)."""
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _backend_flags() -> str:
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    checks: tuple[tuple[str, Callable[[], bool]], ...] = (
+        ("gloo", dist.is_gloo_available),
+        ("nccl", dist.is_nccl_available),
+        ("mpi", dist.is_mpi_available),
+    )
+    return ", ".join(f"{name}: {_yes(check())}" for name, check in checks)
+
+
+def _cuda_lines() -> list[tuple[str, str]]:
+    built_with: str | None = torch.version.cuda
+    if built_with is None:
+        return [("CUDA", "not in this torch build"), ("cuDNN", "not available")]
+    available = torch.cuda.is_available()
+    state = "available" if available else "built in, but no usable GPU or driver"
+    return [("CUDA", f"{built_with} ({state})"), ("cuDNN", _cudnn_version())]
+
+
+def _cudnn_version() -> str:
+    # torch ships torch.backends.cudnn without annotations.
+    if not torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]
+        return "not available"
+    version: int | None = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
+    return "not available" if version is None else str(version)
+
+
+def _context_lines(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    try:
+        ctx = context_from_env(environ)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return [("error", f"{type(error).__name__}: {error}")]
+    return [
+        (field.name, str(getattr(ctx, field.name))) for field in dataclasses.fields(ctx)
+    ]
+
+
+def _section(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    width = max((len(key) for key, _ in rows), default=0)
+    return [title, *(f"  {key.ljust(width)}  {value}" for key, value in rows)]
+
+
+def env_report(environ: Mapping[str, str]) -> str:
+    """Return the environment report for ``environ``; nothing is printed or started.
+
+    Only the launch variables in ``environ`` are read (``os.environ`` is not), and
+    ``environ`` is not modified. An environment ``context_from_env`` rejects is
+    reported in the context section, as ``error: <type>: <message>``.
+
+    Args:
+        environ: a mapping such as ``os.environ``, or a dict in a test.
+
+    Returns:
+        Several lines of text, ending without a newline.
+
+    >>> report = env_report({"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0"})
+    >>> "process_index (5) must be in [0, num_processes=2)" in report
+    True
+    """
+    from funcaccel import __version__
+
+    versions = [
+        ("funcaccel", __version__),
+        ("torch", torch.__version__),
+        *_cuda_lines(),
+        ("Python", f"{platform.python_version()} ({platform.python_implementation()})"),
+        ("platform", platform.platform()),
+        ("backends", _backend_flags()),
+        ("CUDA devices", str(torch.cuda.device_count())),
+    ]
+    launch = [(name, environ[name]) for name in LAUNCH_VARIABLES if name in environ]
+    if not launch:
+        launch = [("(none set)", "one process")]
+    lines = [
+        *_section("versions", versions),
+        *_section("launch variables", launch),
+        *_section("context_from_env", _context_lines(environ)),
+    ]
+    return "\n".join(lines)
