@@ -14,6 +14,7 @@ from typing import Final
 from typing import Protocol
 
 from funcaccel.tracking import ConfigValue
+from funcaccel.tracking import _check_step
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 
@@ -143,9 +144,7 @@ class TensorBoardTracker:
 
     def log(self, values: Mapping[str, object], step: int | None = None) -> None:
         """Write each value at ``step``: numbers as scalars, strings as text."""
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            msg = f"TensorBoardTracker.log: step must be an int or None; got {step!r}."
-            raise TypeError(msg)
+        _check_step("TensorBoardTracker.log", step)
         plain = normalize_metrics(values, caller="TensorBoardTracker.log")
         writer = self._ready_writer("log")
         for key, value in plain.items():

@@ -27,6 +27,7 @@ from typing import Final
 # re-exported here so that every built-in tracker is found in one place.
 from funcaccel._trackers_optional import TensorBoardTracker
 from funcaccel.tracking import ConfigValue
+from funcaccel.tracking import _check_step
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 
@@ -73,12 +74,6 @@ def _check_open(owner: str, method: str, finished: bool) -> None:
             "record more (a file tracker appends to its file)."
         )
         raise ValueError(msg)
-
-
-def _check_step(owner: str, step: object) -> None:
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        msg = f"{owner}.log: step must be an int or None; got {step!r}."
-        raise TypeError(msg)
 
 
 def _open_append(owner: str, path: Path) -> IO[str]:
@@ -147,7 +142,7 @@ class InMemoryTracker:
     def log(self, values: Mapping[str, object], step: int | None = None) -> None:
         """Append a record of ``values`` at ``step``; ``values`` is copied."""
         _check_open("InMemoryTracker", "log", self._finished)
-        _check_step("InMemoryTracker", step)
+        _check_step("InMemoryTracker.log", step)
         plain = normalize_metrics(values, caller="InMemoryTracker.log")
         self._logs.append(LogRecord(step=step, values=plain))
 
@@ -216,7 +211,7 @@ class JSONLTracker:
     def log(self, values: Mapping[str, object], step: int | None = None) -> None:
         """Append ``{"step": step, "time": now, **values}`` as one line."""
         _check_open("JSONLTracker", "log", self._finished)
-        _check_step("JSONLTracker", step)
+        _check_step("JSONLTracker.log", step)
         plain = normalize_metrics(values, caller="JSONLTracker.log")
         for reserved in (*_TIME_KEYS, "config"):
             if reserved in plain:
@@ -336,7 +331,7 @@ class CSVTracker:
     def log(self, values: Mapping[str, object], step: int | None = None) -> None:
         """Append one row: ``step``, the wall time and ``values`` by column."""
         _check_open("CSVTracker", "log", self._finished)
-        _check_step("CSVTracker", step)
+        _check_step("CSVTracker.log", step)
         plain = normalize_metrics(values, caller="CSVTracker.log")
         columns = self._columns
         write_header = False

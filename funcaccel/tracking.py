@@ -301,7 +301,7 @@ def finish_trackers(ctx: DistributedContext, trackers: Iterable[Tracker]) -> Non
     for tracker in _gated("finish_trackers", ctx, trackers):
         try:
             tracker.finish()
-        except Exception as error:  # noqa: BLE001 - re-raised below
-            errors.append(error)
+        except Exception as error:
+            errors.append(error)  # raised once every tracker has been finished
     if errors:
         raise errors[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
 import sys
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -317,6 +318,33 @@ def test_file_trackers_name_an_unwritable_path(tmp_path: Path, kind: str) -> Non
     tracker = FILE_TRACKERS[kind](tmp_path)
     with pytest.raises(OSError, match=r"Tracker: cannot open '.*sub/m\.\w+'"):
         tracker.log({"loss": 1.0})
+
+
+@pytest.mark.parametrize("kind", sorted(FILE_TRACKERS))
+def test_file_trackers_reject_bad_steps(tmp_path: Path, kind: str) -> None:
+    tracker = FILE_TRACKERS[kind](tmp_path)
+    with pytest.raises(ValueError, match=r"Tracker.log: step must be >= 0; got -2"):
+        tracker.log({"loss": 1.0}, step=-2)
+    with pytest.raises(TypeError, match=r"Tracker.log: step must be an int .* 1.5"):
+        tracker.log({"loss": 1.0}, step=_any(1.5))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_importing_the_trackers_loads_no_optional_backend() -> None:
+    code = (
+        "import sys, funcaccel.trackers, funcaccel.tracking\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorboard', 'mlflow') or m.startswith('torch.utils.tensorboard')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
 def test_jsonl_tracker_writes_one_object_per_log(tmp_path: Path) -> None:
