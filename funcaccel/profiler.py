@@ -16,9 +16,12 @@ hands it to ``on_trace_ready`` when ``prof.step()`` leaves the window's last act
 step, or when the profiler stops inside a window (cut short). The cycle files hold
 the completed windows; ``profile_<rank>.json`` holds the most recent trace torch
 produced: the window the end of the body cut short when there is one (it appears in
-no cycle file), else the last completed window (a copy of the last cycle file). Call ``prof.step()`` at the end of every iteration, as torch expects. A body
-that ends before the schedule's first active step has recorded nothing, and
-``build_profiler`` raises ``ValueError`` rather than write an empty trace.
+no cycle file), else the last completed window (a copy of the last cycle file).
+Call ``prof.step()`` at the end of every iteration, as torch expects. With
+``wait=1, warmup=1, active=2`` and 7 iterations, ``profile_0_cycle0.json`` holds
+iterations 2-3 and ``profile_0.json`` iteration 6. A body that ends before the
+schedule's first active step has recorded nothing, and ``build_profiler`` raises
+``ValueError`` rather than write an empty trace.
 
 A user ``on_trace_ready`` gets every trace torch produces, as without funcaccel, and
 replaces the cycle files; when it saves the trace itself (torch saves a trace only
@@ -37,6 +40,7 @@ import shutil
 from collections.abc import Callable
 from collections.abc import Collection
 from collections.abc import Iterator
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -130,7 +134,7 @@ def _make_trace_dir(trace_dir: Path) -> None:
 
 
 def _export_final(
-    sink: _TraceSink, prof: torch.profiler.profile, schedule: Any
+    sink: _TraceSink, prof: torch.profiler.profile, schedule: Mapping[str, int] | None
 ) -> None:
     path = profiler_trace_path(sink.trace_dir, sink.process_index)
     if sink.latest_file is not None:
@@ -156,7 +160,9 @@ def _export_final(
 
 @contextlib.contextmanager
 def _profiling_ctx(
-    prof: torch.profiler.profile, sink: _TraceSink | None, schedule: Any
+    prof: torch.profiler.profile,
+    sink: _TraceSink | None,
+    schedule: Mapping[str, int] | None,
 ) -> Iterator[torch.profiler.profile]:
     with prof:
         try:
