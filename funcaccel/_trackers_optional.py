@@ -14,6 +14,8 @@ from typing import Final
 from typing import Protocol
 
 from funcaccel.tracking import ConfigValue
+from funcaccel.tracking import _check_bool
+from funcaccel.tracking import _check_open
 from funcaccel.tracking import _check_step
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
@@ -108,12 +110,7 @@ class TensorBoardTracker:
                 f"{logdir!r} ({type(logdir).__name__})."
             )
             raise TypeError(msg)
-        if not isinstance(main_process_only, bool):
-            msg = (
-                "TensorBoardTracker: main_process_only must be a bool; got "
-                f"{main_process_only!r} ({type(main_process_only).__name__})."
-            )
-            raise TypeError(msg)
+        _check_bool("TensorBoardTracker", "main_process_only", main_process_only)
         if importlib.util.find_spec("tensorboard") is None:
             raise ImportError(f"TensorBoardTracker: {_INSTALL_HINT}")
         self._logdir = Path(logdir)
@@ -132,12 +129,7 @@ class TensorBoardTracker:
         return self._main_process_only
 
     def _ready_writer(self, method: str) -> _SummaryWriter:
-        if self._finished:
-            msg = (
-                f"TensorBoardTracker.{method}: the tracker was finished; build a new "
-                "TensorBoardTracker to record more."
-            )
-            raise ValueError(msg)
+        _check_open("TensorBoardTracker", method, self._finished)
         if self._writer is None:
             self._writer = _open_writer(self._logdir)
         return self._writer

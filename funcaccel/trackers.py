@@ -1,4 +1,4 @@
-"""Built-in trackers: in memory, JSON lines, CSV and TensorBoard.
+"""Built-in trackers that write files: JSON lines, CSV and TensorBoard.
 
 Each satisfies ``funcaccel.tracking.Tracker`` and is called through ``log_metrics``,
 ``store_config`` and ``finish_trackers``. None touches the disk (or imports an
@@ -13,7 +13,6 @@ item, a larger tensor is a ``ValueError``, another type a ``TypeError``.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import os
 import time
@@ -26,35 +25,20 @@ from typing import Final
 # TensorBoardTracker lives in its own module (it imports tensorboard lazily); it is
 # re-exported here so that every built-in tracker is found in one place.
 from funcaccel._trackers_optional import TensorBoardTracker
-from funcaccel.tracking import ConfigValue
+from funcaccel.tracking import _check_bool
+from funcaccel.tracking import _check_open
 from funcaccel.tracking import _check_step
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 
 __all__ = [
     "CSVTracker",
-    "InMemoryTracker",
     "JSONLTracker",
-    "LogRecord",
     "TensorBoardTracker",
 ]
 
 Clock = Callable[[], float]
 _TIME_KEYS: Final = ("step", "time")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LogRecord:
-    """One ``log`` call as ``InMemoryTracker`` kept it."""
-
-    step: int | None
-    values: dict[str, bool | int | float | str]
-
-
-def _check_bool(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        msg = f"{owner}: {name} must be a bool; got {value!r} ({type(value).__name__})."
-        raise TypeError(msg)
 
 
 def _check_path(owner: str, path: object) -> Path:
@@ -67,13 +51,14 @@ def _check_path(owner: str, path: object) -> Path:
     return Path(path)
 
 
-def _check_open(owner: str, method: str, finished: bool) -> None:
-    if finished:
+def _check_clock(owner: str, clock: object) -> Clock:
+    if not callable(clock):
         msg = (
-            f"{owner}.{method}: the tracker was finished; build a new {owner} to "
-            "record more (a file tracker appends to its file)."
+            f"{owner}: clock must be a callable returning the wall time, such as "
+            f"time.time; got {clock!r} ({type(clock).__name__})."
         )
-        raise ValueError(msg)
+        raise TypeError(msg)
+    return clock
 
 
 def _open_append(owner: str, path: Path) -> IO[str]:
@@ -86,75 +71,6 @@ def _open_append(owner: str, path: Path) -> IO[str]:
             "in a directory this process can write."
         )
         raise OSError(msg) from error
-
-
-class InMemoryTracker:
-    """Keep every record in memory; for tests, notebooks and custom reporting.
-
-    >>> tracker = InMemoryTracker()
-    >>> tracker.log({"loss": 1.5}, step=0)
-    >>> tracker.store_init_configuration({"lr": 0.1})
-    >>> tracker.logs[0].values, tracker.config
-    ({'loss': 1.5}, {'lr': 0.1})
-    """
-
-    __slots__ = ("_config", "_finished", "_logs", "_main_process_only", "_name")
-
-    def __init__(self, *, name: str = "memory", main_process_only: bool = True) -> None:
-        _check_bool("InMemoryTracker", "main_process_only", main_process_only)
-        if not isinstance(name, str):
-            msg = f"InMemoryTracker: name must be a str; got {name!r}."
-            raise TypeError(msg)
-        if not name:
-            msg = "InMemoryTracker: name must not be empty; got ''. Pass e.g. 'memory'."
-            raise ValueError(msg)
-        self._name = name
-        self._main_process_only = main_process_only
-        self._logs: list[LogRecord] = []
-        self._config: dict[str, ConfigValue] = {}
-        self._finished = False
-
-    @property
-    def name(self) -> str:
-        """The tracker's name."""
-        return self._name
-
-    @property
-    def main_process_only(self) -> bool:
-        """Whether only the main process calls this tracker."""
-        return self._main_process_only
-
-    @property
-    def logs(self) -> tuple[LogRecord, ...]:
-        """Every ``log`` call so far, in order."""
-        return tuple(self._logs)
-
-    @property
-    def config(self) -> dict[str, ConfigValue]:
-        """A copy of the stored configuration (later calls override keys)."""
-        return dict(self._config)
-
-    @property
-    def finished(self) -> bool:
-        """Whether ``finish()`` was called."""
-        return self._finished
-
-    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
-        """Append a record of ``values`` at ``step``; ``values`` is copied."""
-        _check_open("InMemoryTracker", "log", self._finished)
-        _check_step("InMemoryTracker.log", step)
-        plain = normalize_metrics(values, caller="InMemoryTracker.log")
-        self._logs.append(LogRecord(step=step, values=plain))
-
-    def store_init_configuration(self, values: Mapping[str, object]) -> None:
-        """Merge ``values`` into the stored configuration."""
-        owner = "InMemoryTracker.store_init_configuration"
-        _check_open("InMemoryTracker", "store_init_configuration", self._finished)
-        self._config.update(normalize_config(values, caller=owner))
-
-    def finish(self) -> None:
-        """Mark the tracker finished; the records stay readable."""
-        self._finished = True
 
 
 class JSONLTracker:
@@ -187,7 +103,7 @@ class JSONLTracker:
         self._path = _check_path("JSONLTracker", path)
         _check_bool("JSONLTracker", "main_process_only", main_process_only)
         self._main_process_only = main_process_only
-        self._clock = clock
+        self._clock = _check_clock("JSONLTracker", clock)
         self._file: IO[str] | None = None
         self._finished = False
 
@@ -279,7 +195,7 @@ class CSVTracker:
         self._path = _check_path("CSVTracker", path)
         _check_bool("CSVTracker", "main_process_only", main_process_only)
         self._main_process_only = main_process_only
-        self._clock = clock
+        self._clock = _check_clock("CSVTracker", clock)
         self._columns: tuple[str, ...] | None = None
         self._file: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None

@@ -6,7 +6,6 @@ and call each tracker on the main process only, or on every rank for a tracker w
 call, so every rank may construct the same list:
 
 >>> from funcaccel.context import DistributedContext, DistributedType
->>> from funcaccel.trackers import InMemoryTracker
 >>> rank1 = DistributedContext(
 ...     num_processes=2, process_index=1, distributed_type=DistributedType.MULTI_CPU
 ... )
@@ -16,12 +15,14 @@ call, so every rank may construct the same list:
 >>> [(r.step, r.values) for r in tracker.logs]
 [(3, {'loss': 0.5})]
 
-The built-in trackers live in ``funcaccel.trackers``; ``normalize_metrics`` and
-``normalize_config`` give a custom tracker the same checks on values.
+``InMemoryTracker`` (here) keeps records in memory; the file-backed trackers live
+in ``funcaccel.trackers``. ``normalize_metrics`` and ``normalize_config`` give a
+custom tracker the same checks on values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -35,6 +36,8 @@ from funcaccel.context import DistributedContext
 
 __all__ = [
     "ConfigValue",
+    "InMemoryTracker",
+    "LogRecord",
     "MetricValue",
     "Tracker",
     "finish_trackers",
@@ -205,6 +208,21 @@ def _check_step(caller: str, step: object) -> None:
         raise ValueError(msg)
 
 
+def _check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        msg = f"{owner}: {name} must be a bool; got {value!r} ({type(value).__name__})."
+        raise TypeError(msg)
+
+
+def _check_open(owner: str, method: str, finished: bool) -> None:
+    if finished:
+        msg = (
+            f"{owner}.{method}: the tracker was finished; build a new {owner} to "
+            "record more (a file tracker appends to its file)."
+        )
+        raise ValueError(msg)
+
+
 def _gated(
     caller: str, ctx: DistributedContext, trackers: Iterable[Tracker]
 ) -> list[Tracker]:
@@ -305,3 +323,80 @@ def finish_trackers(ctx: DistributedContext, trackers: Iterable[Tracker]) -> Non
             errors.append(error)  # raised once every tracker has been finished
     if errors:
         raise errors[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LogRecord:
+    """One ``log`` call as ``InMemoryTracker`` kept it."""
+
+    step: int | None
+    values: dict[str, bool | int | float | str]
+
+
+class InMemoryTracker:
+    """Keep every record in memory; for tests, notebooks and custom reporting.
+
+    >>> tracker = InMemoryTracker()
+    >>> tracker.log({"loss": 1.5}, step=0)
+    >>> tracker.store_init_configuration({"lr": 0.1})
+    >>> tracker.logs[0].values, tracker.config
+    ({'loss': 1.5}, {'lr': 0.1})
+    """
+
+    __slots__ = ("_config", "_finished", "_logs", "_main_process_only", "_name")
+
+    def __init__(self, *, name: str = "memory", main_process_only: bool = True) -> None:
+        _check_bool("InMemoryTracker", "main_process_only", main_process_only)
+        if not isinstance(name, str):
+            msg = f"InMemoryTracker: name must be a str; got {name!r}."
+            raise TypeError(msg)
+        if not name:
+            msg = "InMemoryTracker: name must not be empty; got ''. Pass e.g. 'memory'."
+            raise ValueError(msg)
+        self._name = name
+        self._main_process_only = main_process_only
+        self._logs: list[LogRecord] = []
+        self._config: dict[str, ConfigValue] = {}
+        self._finished = False
+
+    @property
+    def name(self) -> str:
+        """The tracker's name."""
+        return self._name
+
+    @property
+    def main_process_only(self) -> bool:
+        """Whether only the main process calls this tracker."""
+        return self._main_process_only
+
+    @property
+    def logs(self) -> tuple[LogRecord, ...]:
+        """Every ``log`` call so far, in order."""
+        return tuple(self._logs)
+
+    @property
+    def config(self) -> dict[str, ConfigValue]:
+        """A copy of the stored configuration (later calls override keys)."""
+        return dict(self._config)
+
+    @property
+    def finished(self) -> bool:
+        """Whether ``finish()`` was called."""
+        return self._finished
+
+    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+        """Append a record of ``values`` at ``step``; ``values`` is copied."""
+        _check_open("InMemoryTracker", "log", self._finished)
+        _check_step("InMemoryTracker.log", step)
+        plain = normalize_metrics(values, caller="InMemoryTracker.log")
+        self._logs.append(LogRecord(step=step, values=plain))
+
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+        """Merge ``values`` into the stored configuration."""
+        owner = "InMemoryTracker.store_init_configuration"
+        _check_open("InMemoryTracker", "store_init_configuration", self._finished)
+        self._config.update(normalize_config(values, caller=owner))
+
+    def finish(self) -> None:
+        """Mark the tracker finished; the records stay readable."""
+        self._finished = True

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.trackers import CSVTracker
-from funcaccel.trackers import InMemoryTracker
 from funcaccel.trackers import JSONLTracker
 from funcaccel.trackers import TensorBoardTracker
+from funcaccel.tracking import InMemoryTracker
 from funcaccel.tracking import Tracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
@@ -453,6 +453,10 @@ def test_file_trackers_reject_path_of_wrong_type() -> None:
         TypeError, match=r"CSVTracker: main_process_only must be a bool"
     ):
         CSVTracker("m.csv", main_process_only=1)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"JSONLTracker: clock must be a callable .* 0.0"
+    ):
+        JSONLTracker("m.jsonl", clock=_any(0.0))
 
 
 # ---------------------------------------------------------------- TensorBoard
