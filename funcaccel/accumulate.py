@@ -108,27 +108,28 @@ class GradState:
     sync_each_batch: bool = False
 
     def __post_init__(self) -> None:
-        for name, kind in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            if type(value) is not kind:
-                msg = f"GradState: {name} must be {_a(kind.__name__)}; got {value!r} ({type(value).__name__})."
-                raise TypeError(msg)
-        k = self.accumulation_steps
-        if k < 1:
-            msg = f"GradState: accumulation_steps must be >= 1; got {k}."
-            raise ValueError(msg)
-        if not 0 <= self.micro_step < k:
-            msg = (
-                f"GradState: micro_step ({self.micro_step}) must be in "
-                f"[0, accumulation_steps={k}); a window closes when it reaches {k}."
+        # A state is built on every micro-step: one expression on the hot path; the
+        # checks that name the culprit run only when it fails.
+        micro_step = self.micro_step
+        if not (
+            type(self.accumulation_steps) is int
+            and type(micro_step) is int
+            and type(self.optimizer_steps) is int
+            and type(self.sync_gradients) is bool
+            and type(self.end_of_dataloader) is bool
+            and type(self.step_was_skipped) is bool
+            and type(self.sync_with_dataloader) is bool
+            and type(self.sync_each_batch) is bool
+            and 0 <= micro_step < self.accumulation_steps
+            and self.optimizer_steps >= 0
+            and self.sync_gradients is (micro_step == 0)
+            and (self.sync_gradients or not self.step_was_skipped)
+            and (
+                self.sync_gradients
+                or not (self.end_of_dataloader and self.sync_with_dataloader)
             )
-            raise ValueError(msg)
-        if self.optimizer_steps < 0:
-            msg = (
-                f"GradState: optimizer_steps must be >= 0; got {self.optimizer_steps}."
-            )
-            raise ValueError(msg)
-        _check_reachable(self)
+        ):
+            _raise_invalid(self)
 
     def to_dict(self) -> dict[str, int | bool]:
         """Return the fields as a new plain, JSON-serialisable dict.
@@ -166,7 +167,25 @@ class GradState:
         return cls(**fields)
 
 
-def _check_reachable(state: GradState) -> None:
+def _raise_invalid(state: GradState) -> None:
+    for name, kind in _FIELD_TYPES.items():
+        value = getattr(state, name)
+        if type(value) is not kind:
+            msg = f"GradState: {name} must be {_a(kind.__name__)}; got {value!r} ({type(value).__name__})."
+            raise TypeError(msg)
+    k = state.accumulation_steps
+    if k < 1:
+        msg = f"GradState: accumulation_steps must be >= 1; got {k}."
+        raise ValueError(msg)
+    if not 0 <= state.micro_step < k:
+        msg = (
+            f"GradState: micro_step ({state.micro_step}) must be in "
+            f"[0, accumulation_steps={k}); a window closes when it reaches {k}."
+        )
+        raise ValueError(msg)
+    if state.optimizer_steps < 0:
+        msg = f"GradState: optimizer_steps must be >= 0; got {state.optimizer_steps}."
+        raise ValueError(msg)
     if state.sync_gradients != (state.micro_step == 0):
         msg = (
             f"GradState: sync_gradients ({state.sync_gradients}) must be true exactly "
@@ -190,6 +209,8 @@ def _check_reachable(state: GradState) -> None:
             "the window, so sync_gradients must be True; got False."
         )
         raise ValueError(msg)
+    msg = f"GradState: inconsistent fields {state.to_dict()}."  # pragma: no cover
+    raise AssertionError(msg)  # pragma: no cover
 
 
 def _check_grad(grad: object, caller: str) -> None:
@@ -289,13 +310,17 @@ def advance_grad_state(
             f"{grad.accumulation_steps}); only a syncing micro-step can skip."
         )
         raise ValueError(msg)
+    return _next_state(grad, synced, end_of_dataloader, step_was_skipped)
+
+
+def _next_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> GradState:
     return GradState(
         accumulation_steps=grad.accumulation_steps,
         micro_step=0 if synced else grad.micro_step + 1,
         sync_gradients=synced,
-        end_of_dataloader=end_of_dataloader,
-        step_was_skipped=step_was_skipped,
-        optimizer_steps=grad.optimizer_steps + (synced and not step_was_skipped),
+        end_of_dataloader=end,
+        step_was_skipped=skipped,
+        optimizer_steps=grad.optimizer_steps + (synced and not skipped),
         sync_with_dataloader=grad.sync_with_dataloader,
         sync_each_batch=grad.sync_each_batch,
     )
@@ -372,6 +397,7 @@ def _check_step_args(
     end_of_dataloader: object,
     scaler: object,
     max_grad_norm: object,
+    autocast_kwargs: object,
 ) -> None:
     caller = "accumulate_step"
     _check_ctx(ctx, caller)
@@ -398,6 +424,31 @@ def _check_step_args(
         raise ValueError(msg)
     if max_grad_norm is not None:
         _check_norm(caller, "max_grad_norm", max_grad_norm)
+    if autocast_kwargs is not None and not isinstance(autocast_kwargs, AutocastKwargs):
+        msg = (
+            f"{caller}: autocast_kwargs must be an AutocastKwargs or None; got "
+            f"{autocast_kwargs!r} ({type(autocast_kwargs).__name__})."
+        )
+        raise TypeError(msg)
+
+
+def _forward_backward(
+    ctx: DistributedContext,
+    loss_fn: Callable[[], torch.Tensor],
+    k: int,
+    scaler: torch.amp.GradScaler | None,
+    autocast_kwargs: AutocastKwargs | None,
+) -> torch.Tensor:
+    if ctx.mixed_precision == "no":  # autocast_ctx would be a null context
+        loss = _check_loss(loss_fn())
+    else:
+        with autocast_ctx(ctx, autocast_kwargs):
+            loss = _check_loss(loss_fn())
+    scaled = loss / k
+    if scaler is not None:
+        scaled = scaler.scale(scaled)
+    scaled.backward()  # type: ignore[no-untyped-call]
+    return loss
 
 
 def accumulate_step(
@@ -456,7 +507,9 @@ def accumulate_step(
             is not a scalar or does not require grad.
         RuntimeError: several processes but no matching process group.
     """
-    _check_step_args(ctx, grad, loss_fn, end_of_dataloader, scaler, max_grad_norm)
+    _check_step_args(
+        ctx, grad, loss_fn, end_of_dataloader, scaler, max_grad_norm, autocast_kwargs
+    )
     models = as_tuple_of(model, nn.Module, caller="accumulate_step", name="model")
     optimizers = as_tuple_of(
         optimizer, torch.optim.Optimizer, caller="accumulate_step", name="optimizer"
@@ -465,16 +518,11 @@ def accumulate_step(
     synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if ctx.num_processes > 1:
         require_process_group(ctx, "accumulate_step")
-    communication: AbstractContextManager[object] = contextlib.nullcontext()
-    if should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
-        communication = _no_sync(models)
-    with communication:
-        with autocast_ctx(ctx, autocast_kwargs):
-            loss = _check_loss(loss_fn())
-        scaled = loss / k
-        if scaler is not None:
-            scaled = scaler.scale(scaled)
-        scaled.backward()  # type: ignore[no-untyped-call]
+    if ctx.num_processes > 1 and not synced and not grad.sync_each_batch:
+        with _no_sync(models):  # should_skip_grad_sync
+            loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+    else:  # no null context: entering one costs more than the rest of the checks
+        loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     skipped = False
     if synced:
         m = grad.micro_step + 1
@@ -490,7 +538,4 @@ def accumulate_step(
         skipped = optimizer_step(optimizers, scaler=scaler)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-    new_grad = advance_grad_state(
-        grad, end_of_dataloader=end_of_dataloader, step_was_skipped=skipped
-    )
-    return loss.detach(), new_grad
+    return loss.detach(), _next_state(grad, synced, end_of_dataloader, skipped)

@@ -1,0 +1,185 @@
+"""Training-loop overhead of funcaccel's accumulation against plain PyTorch.
+
+A tiny MLP trains for one epoch of micro-batches with gradient accumulation 4 and a
+StepLR scheduler, three ways: plain PyTorch (``loss / k``, backward, step every k),
+funcaccel (``accumulate_step`` + ``maybe_step_scheduler``) and, when it is
+importable, Accelerate (``accumulate`` context, ``backward``, prepared optimizer and
+scheduler). Epochs of the variants are interleaved repetition by repetition so that
+machine noise hits all alike; the table gives each variant's median epoch time, its
+spread (interquartile range), the ratio of medians to plain PyTorch and the median
+of the per-repetition ratios. One process, CPU, one thread by default.
+
+    python benchmarks/bench_loop.py --repeats 30   # after pip install -e . (or PYTHONPATH=.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.functional import mse_loss
+
+from funcaccel.accumulate import GradState
+from funcaccel.accumulate import accumulate_step
+from funcaccel.context import DistributedContext
+from funcaccel.scheduler import maybe_step_scheduler
+
+ACCUMULATION_STEPS = 4
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Epoch = Callable[[], None]
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def _batches(n: int, batch_size: int) -> Batches:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(batch_size, 32, generator=gen),
+            torch.randn(batch_size, 1, generator=gen),
+        )
+        for _ in range(n)
+    ]
+
+
+def _training_objects(
+    seed: int,
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    model = _model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.99)
+    return model, optimizer, scheduler
+
+
+def plain_epoch(batches: Batches) -> Epoch:
+    """Return one epoch of the loop written in plain PyTorch."""
+    model, optimizer, scheduler = _training_objects(0)
+    k, last = ACCUMULATION_STEPS, len(batches) - 1
+
+    def run() -> None:
+        for i, (x, y) in enumerate(batches):
+            loss = mse_loss(model(x), y)
+            torch.autograd.backward(loss / k)
+            if (i + 1) % k == 0 or i == last:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _loss_fn(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    return lambda: mse_loss(model(x), y)
+
+
+def funcaccel_epoch(batches: Batches) -> Epoch:
+    """Return one epoch of the same loop through accumulate_step."""
+    model, optimizer, scheduler = _training_objects(0)
+    ctx = DistributedContext()
+    last = len(batches) - 1
+
+    def run() -> None:
+        grad = GradState(accumulation_steps=ACCUMULATION_STEPS)
+        for i, (x, y) in enumerate(batches):
+            _, grad = accumulate_step(
+                ctx,
+                grad,
+                model,
+                optimizer,
+                _loss_fn(model, x, y),
+                end_of_dataloader=i == last,
+            )
+            maybe_step_scheduler(ctx, scheduler, grad)
+
+    return run
+
+
+def accelerate_epoch(batches: Batches) -> Epoch | None:
+    """Return one epoch through Accelerate, or None when it is not installed."""
+    try:
+        accelerate: Any = importlib.import_module("accelerate")
+    except ImportError:
+        return None
+    accelerator = accelerate.Accelerator(
+        gradient_accumulation_steps=ACCUMULATION_STEPS, cpu=True
+    )
+    model, optimizer, scheduler = accelerator.prepare(*_training_objects(0))
+
+    def run() -> None:
+        for x, y in batches:
+            with accelerator.accumulate(model):
+                loss = mse_loss(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--micro-batches", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-accelerate", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = _batches(args.micro_batches, args.batch_size)
+    variants: dict[str, Epoch] = {
+        "plain PyTorch": plain_epoch(batches),
+        "funcaccel": funcaccel_epoch(batches),
+    }
+    accelerate_run = None if args.no_accelerate else accelerate_epoch(batches)
+    if accelerate_run is not None:
+        variants["Accelerate"] = accelerate_run
+    for run in variants.values():  # warm-up: allocator, autograd and dispatch caches
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for rep in range(args.repeats):
+        # Rotate the order so that no variant always runs first.
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            start = time.perf_counter()
+            variants[name]()
+            samples[name].append(time.perf_counter() - start)
+    base = samples["plain PyTorch"]
+    print(
+        f"{args.micro_batches} micro-batches of {args.batch_size}, accumulation "
+        f"{ACCUMULATION_STEPS}, {args.repeats} interleaved repetitions, "
+        f"{args.threads} thread(s)\n"
+    )
+    print(
+        "| loop | median ms/epoch | IQR ms | µs/micro-step | ratio of medians | median paired ratio |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, values in samples.items():
+        q1, median, q3 = _quartiles(values)
+        ratio = median / statistics.median(base)
+        paired = statistics.median(v / b for v, b in zip(values, base, strict=True))
+        per_step = median / args.micro_batches * 1e6
+        print(
+            f"| {name} | {median * 1e3:.2f} | {(q3 - q1) * 1e3:.2f} | {per_step:.1f} "
+            f"| {ratio:.3f}× | {paired:.3f}× |"
+        )
+
+
+if __name__ == "__main__":
+    main()
