@@ -23,13 +23,16 @@ checkpoint into place.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
+import warnings
 import zipfile
+from collections.abc import Iterator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -272,6 +275,17 @@ def pair_optimizers(
     return tuple(pairs)
 
 
+@contextlib.contextmanager
+def _single_process_warning_ignored() -> Iterator[None]:
+    # DCP warns on every single-process call that it "assumes the intent is to load
+    # in a single process"; with one process that is exactly the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
+
+
 def _dcp_state(
     models: Sequence[nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
@@ -300,7 +314,8 @@ def save_sharded(
     pairs = pair_optimizers(models, optimizers, caller=caller)
     state = _dcp_state(models, optimizers, pairs)
     writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
-    dcp_save(state, storage_writer=writer, no_dist=ctx.num_processes == 1)
+    with _single_process_warning_ignored():
+        dcp_save(state, storage_writer=writer, no_dist=ctx.num_processes == 1)
 
 
 def load_sharded(
@@ -324,7 +339,8 @@ def load_sharded(
     state = _dcp_state(models, optimizers, pairs)
     reader = FileSystemReader(directory)
     try:
-        dcp_load(state, storage_reader=reader, no_dist=ctx.num_processes == 1)
+        with _single_process_warning_ignored():
+            dcp_load(state, storage_reader=reader, no_dist=ctx.num_processes == 1)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         msg = (

@@ -124,7 +124,9 @@ class LoadedState:
         return self.meta.extra
 
 
-def _as_tuple(value: object, kind: type[T], name: str, caller: str) -> tuple[T, ...]:
+def _as_tuple(
+    value: object, kind: type[T], what: str, name: str, caller: str
+) -> tuple[T, ...]:
     if isinstance(value, kind):
         return (value,)
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
@@ -132,8 +134,8 @@ def _as_tuple(value: object, kind: type[T], name: str, caller: str) -> tuple[T, 
         if all(isinstance(item, kind) for item in items):
             return items
     msg = (
-        f"{caller}: {name} must be a {kind.__name__} or a sequence of them; got "
-        f"{value!r} ({type(value).__name__})."
+        f"{caller}: {name} must be {what} or a sequence of them; got {value!r} "
+        f"({type(value).__name__})."
     )
     raise TypeError(msg)
 
@@ -182,9 +184,21 @@ def _check_call(
             raise TypeError(msg)
     require_process_group(ctx, caller)
     return _Objects(
-        _as_tuple(models, nn.Module, "models", caller),
-        _as_tuple(optimizers, torch.optim.Optimizer, "optimizers", caller),
-        _as_tuple(schedulers, Stateful, "schedulers", caller),  # type: ignore[type-abstract]
+        _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
+        _as_tuple(
+            optimizers,
+            torch.optim.Optimizer,
+            "a torch.optim.Optimizer",
+            "optimizers",
+            caller,
+        ),
+        _as_tuple(
+            schedulers,
+            Stateful,  # type: ignore[type-abstract]
+            "an object with state_dict()/load_state_dict()",
+            "schedulers",
+            caller,
+        ),
         scaler,
         named,
     )
