@@ -67,7 +67,8 @@ def sync_rng_states(
 
     ``"torch"`` is torch's default CPU generator, ``"cuda"`` the generator of
     ``ctx.device`` and ``"generator"`` is ``generator`` (skipped when ``None``).
-    Nothing happens with one process. Changes the global RNG states in place.
+    Nothing happens with one process, or when nothing is left to synchronise.
+    Changes the generators' states in place.
 
     With two ranks seeded differently, after the call ``torch.rand(1)`` returns
     rank 0's value on both ranks.
@@ -75,10 +76,11 @@ def sync_rng_states(
     Raises:
         RuntimeError: ``ctx.num_processes > 1`` and no matching default group.
     """
-    if ctx.num_processes == 1 or not rng_types:
+    names = [name for name in rng_types if name != "generator" or generator]
+    if ctx.num_processes == 1 or not names:
         return
     require_process_group(ctx, caller)
-    for name in rng_types:
+    for name in names:
         if name == "torch":
             torch.set_rng_state(_broadcast_state(ctx, torch.get_rng_state()))
         elif name == "cuda":

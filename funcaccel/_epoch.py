@@ -96,13 +96,14 @@ class BaseIndices:
     ``kind`` is ``"random"`` for the seeded replacement of a ``RandomSampler``
     (SPEC §4.2: the order torch's ``RandomSampler`` draws with a fresh generator
     seeded ``seed + epoch``), ``"sequential"`` for a ``SequentialSampler``, and
-    ``"given"`` for anything else, used as it is. ``batch_size`` is ``None`` when the
-    loader does not batch (then items are single indices); with ``"given"`` and a
-    batch size, ``source`` is the user's batch sampler, else the user's sampler.
+    ``"given"`` for anything else, used as it is. ``batched`` is false when the
+    loader does not batch (then items are single indices); with ``"given"`` and
+    ``batched``, ``source`` is the user's batch sampler, else the user's sampler.
     """
 
     kind: Literal["random", "sequential", "given"]
     source: Iterable[Any]
+    batched: bool
     batch_size: int | None
     drop_last: bool
     seed: int
@@ -116,20 +117,20 @@ class BaseIndices:
             order = range(_sized_len(self.source))
         else:
             order = list(_seeded_sampler(self.source, self.seed + epoch))
-        if self.batch_size is None:
-            return order
-        return IndexedBatches(order, self.batch_size, self.drop_last)
+        return self._batched(order)
 
     def for_length(self) -> Iterable[Any]:
         """Return a stream with the length (and last batch) of any epoch, cheaply."""
         if self.kind == "given":
             return self.source
         if isinstance(self.source, RandomSampler):  # kind == "random"
-            order = range(self.source.num_samples)
-        else:
-            order = range(_sized_len(self.source))
-        if self.batch_size is None:
+            return self._batched(range(self.source.num_samples))
+        return self._batched(range(_sized_len(self.source)))
+
+    def _batched(self, order: Sequence[int]) -> Iterable[Any]:
+        if not self.batched:
             return order
+        assert self.batch_size is not None  # torch's BatchSampler has one
         return IndexedBatches(order, self.batch_size, self.drop_last)
 
     @property

@@ -79,6 +79,7 @@ class Setup:
     counted: bool  # the inner loader yields (batch, samples read) pairs
     sync_generator: torch.Generator | None
     reseed_generator: torch.Generator | None
+    worker_generator: torch.Generator  # the inner loader's; seeded seed + epoch
     epoch_targets: tuple[Any, ...]  # objects whose set_epoch is called
 
 
@@ -153,8 +154,12 @@ def _base_indices(dataloader: DataLoader[Any], seed: int) -> BaseIndices:
         source, batch_size, drop_last = sampler, None, False
     else:
         sampler = getattr(batch_sampler, "sampler", None)
-        source, batch_size = batch_sampler, batch_sampler.batch_size
-        drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        source, batch_size = batch_sampler, _original_batch_size(dataloader)
+        drop_last = getattr(batch_sampler, "drop_last", False)
+        if not isinstance(drop_last, bool):
+            raise _type_error(
+                "the batch sampler's drop_last", "True or False", drop_last
+            )
     # Exact types: a subclass may order indices its own way, so it is used as is.
     is_torch_batching = batch_sampler is None or type(batch_sampler) is BatchSampler
     kind: Any = "given"
@@ -163,7 +168,12 @@ def _base_indices(dataloader: DataLoader[Any], seed: int) -> BaseIndices:
     elif is_torch_batching and type(sampler) is SequentialSampler:
         source, kind = sampler, "sequential"
     return BaseIndices(
-        kind=kind, source=source, batch_size=batch_size, drop_last=drop_last, seed=seed
+        kind=kind,
+        source=source,
+        batched=batch_sampler is not None,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        seed=seed,
     )
 
 
@@ -239,6 +249,10 @@ def build_setup(
     )
     total = None if bs is None else bs if split_batches else bs * p
     kept = kept_settings(dataloader)
+    # The inner loader draws its worker base seed from a generator of its own, not
+    # from the global RNG (nor from the caller's generator, which stays unconsumed):
+    # so ranks that synchronised "torch" stay in step even when only rank 0 reads.
+    kept["generator"] = worker_generator = torch.Generator()
     base: BaseIndices | None = None
     slot: IndexSlot | None = None
     inner: DataLoader[Any] | None = None
@@ -306,6 +320,7 @@ def build_setup(
         counted=counted,
         sync_generator=None if base is None else base.generator,
         reseed_generator=_reseeded_generator(dataset) if iterable else None,
+        worker_generator=worker_generator,
         epoch_targets=_epoch_targets(dataloader, base),
     )
 

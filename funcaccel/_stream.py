@@ -79,11 +79,7 @@ def _epoch_samples(setup: Setup) -> int | None:
         stream = setup.base.for_length()
         if isinstance(stream, IndexedBatches):
             return len(stream.sampler)
-        sampler = (
-            stream
-            if setup.base.batch_size is None
-            else getattr(stream, "sampler", None)
-        )
+        sampler = stream if not setup.base.batched else getattr(stream, "sampler", None)
         if isinstance(sampler, Sized):
             return len(sampler)
     dataset = setup.dataloader.dataset
@@ -97,6 +93,7 @@ def _start_epoch(setup: Setup, epoch: int) -> None:
     )
     if setup.reseed_generator is not None:
         setup.reseed_generator.manual_seed(setup.seed + epoch)
+    setup.worker_generator.manual_seed(setup.seed + epoch)
     for target in setup.epoch_targets:
         target.set_epoch(epoch)
 

@@ -1,0 +1,1063 @@
+"""shard_loader, iter_batches and LoaderState (SPEC §4, §4.1, §4.2).
+
+Sharding is pure, so most tests build every rank's loader in this process with a
+hand-made context; only RNG synchronisation (and a worker-process run) needs real
+gloo processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset
+from torch.utils.data import IterableDataset
+from torch.utils.data import RandomSampler
+from torch.utils.data import SequentialSampler
+from torch.utils.data import SubsetRandomSampler
+from torch.utils.data import get_worker_info
+
+from funcaccel._loader_setup import kept_settings
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.loader import Batch
+from funcaccel.loader import LoaderState
+from funcaccel.loader import ShardedLoader
+from funcaccel.loader import iter_batches
+from funcaccel.loader import shard_loader
+from tests._dist import run_ranks
+
+# --------------------------------------------------------------------------- helpers
+
+
+class Indexed(Dataset[torch.Tensor]):
+    """Items are their own indices; every ``__getitem__`` is recorded."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.fetched.append(index)
+        return torch.tensor(index)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    """The stream 0..n-1, without ``len()``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor(i) for i in range(self.n))
+
+
+class SizedStream(Stream):
+    """The stream 0..n-1, with ``len()``."""
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def ctx_for(p: int, i: int = 0) -> DistributedContext:
+    """A hand-built context for rank ``i`` of ``p`` (no process group)."""
+    if p == 1:
+        return DistributedContext()
+    return DistributedContext(
+        num_processes=p, process_index=i, distributed_type=DistributedType.MULTI_CPU
+    )
+
+
+def make_data(kind: str, n: int) -> Dataset[torch.Tensor]:
+    if kind == "map":
+        return Indexed(n)
+    return SizedStream(n) if kind == "iterable" else Stream(n)
+
+
+def as_lists(batches: Sequence[Batch]) -> list[list[int]]:
+    return [batch.data.tolist() for batch in batches]
+
+
+def all_ranks(
+    p: int, make: Any, state: LoaderState | None = None, **options: Any
+) -> list[list[Batch]]:
+    """Every rank's records for one epoch; ``make()`` builds a fresh DataLoader."""
+    out = []
+    for rank in range(p):
+        loader = shard_loader(ctx_for(p, rank), make(), **options)
+        out.append(list(iter_batches(loader, state or LoaderState())))
+    return out
+
+
+def seeded_order(n: int, seed: int, **options: Any) -> list[int]:
+    """The order torch's own RandomSampler draws with a generator seeded ``seed``."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return list(RandomSampler(range(n), generator=generator, **options))
+
+
+# ------------------------------------------------------------------ SPEC §4 table
+
+F, T = False, True
+TABLE_4 = [
+    # id, n, bs, p, kind, options, batches per rank, is_last per rank, len, G, remainder
+    ("10-3-2-map-even", 10, 3, 2, "map", {}, [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]], [[F, T], [F, T]], [2, 2], 6, 4),
+    ("10-3-2-iterable", 10, 3, 2, "iterable", {}, [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]], [[F, T], [F, T]], [2, 2], 6, 4),
+    ("10-3-2-map-drop_last", 10, 3, 2, "map", {"drop_last": True}, [[[0, 1, 2]], [[3, 4, 5]]], [[T], [T]], [1, 1], 6, -1),
+    ("10-3-2-iterable-drop_last", 10, 3, 2, "iterable", {"drop_last": True}, [[[0, 1, 2]], [[3, 4, 5]]], [[T], [T]], [1, 1], 6, -1),
+    ("12-3-2-map-even", 12, 3, 2, "map", {}, [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 11]]], [[F, T], [F, T]], [2, 2], 6, 0),
+    ("9-4-2-map-split", 9, 4, 2, "map", {"split_batches": True}, [[[0, 1], [4, 5], [8, 0]], [[2, 3], [6, 7], [1, 2]]], [[F, F, T], [F, F, T]], [3, 3], 4, 1),
+    ("9-4-2-iterable-split", 9, 4, 2, "iterable", {"split_batches": True}, [[[0, 1], [4, 5], [8, 0]], [[2, 3], [6, 7], [1, 2]]], [[F, F, T], [F, F, T]], [3, 3], 4, 1),
+    ("7-2-3-map-uneven", 7, 2, 3, "map", {"even_batches": False}, [[[0, 1], [6]], [[2, 3]], [[4, 5]]], [[F, T], [T], [T]], [2, 1, 1], 6, 1),
+    ("2-3-2-iterable", 2, 3, 2, "iterable", {}, [[[0, 1, 0]], [[1, 0, 1]]], [[T], [T]], [1, 1], 6, 2),
+    ("5-2-1-map", 5, 2, 1, "map", {}, [[[0, 1], [2, 3], [4]]], [[F, F, T]], [3], 2, 1),
+    ("5-2-1-iterable", 5, 2, 1, "iterable", {}, [[[0, 1], [2, 3], [4]]], [[F, F, T]], [3], 2, 1),
+    ("0-2-2-map", 0, 2, 2, "map", {}, [[], []], [[], []], [0, 0], 4, None),
+    ("0-2-2-iterable", 0, 2, 2, "iterable", {}, [[], []], [[], []], [0, 0], 4, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    (
+        "n",
+        "bs",
+        "p",
+        "kind",
+        "options",
+        "batches",
+        "lasts",
+        "lengths",
+        "total",
+        "remainder",
+    ),
+    [row[1:] for row in TABLE_4],
+    ids=[row[0] for row in TABLE_4],
+)
+def test_shard_loader_matches_spec_table(
+    n: int,
+    bs: int,
+    p: int,
+    kind: str,
+    options: dict[str, Any],
+    batches: list[list[list[int]]],
+    lasts: list[list[bool]],
+    lengths: list[int],
+    total: int,
+    remainder: int | None,
+) -> None:
+    drop_last = options.pop("drop_last", False)
+    for rank in range(p):
+        loader = shard_loader(
+            ctx_for(p, rank),
+            DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last),
+            dispatch_batches=False,
+            **options,
+        )
+        records = list(iter_batches(loader))
+        assert as_lists(records) == batches[rank]
+        assert [r.is_last for r in records] == lasts[rank]
+        assert [r.index for r in records] == list(range(len(records)))
+        assert len(loader) == lengths[rank]
+        assert loader.total_batch_size == total
+        assert all(r.remainder == remainder for r in records)
+        assert [x.tolist() for x in loader] == batches[rank]  # the drop-in path
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_unsized_stream_reports_observed_remainder_on_last_batch(p: int) -> None:
+    n, bs = 10, 3
+    for rank in range(p):
+        loader = shard_loader(
+            ctx_for(p, rank),
+            DataLoader(Stream(n), batch_size=bs),
+            dispatch_batches=False,
+        )
+        sized = shard_loader(
+            ctx_for(p, rank),
+            DataLoader(SizedStream(n), batch_size=bs),
+            dispatch_batches=False,
+        )
+        records, expected = list(iter_batches(loader)), list(iter_batches(sized))
+        assert as_lists(records) == as_lists(expected)
+        assert [r.remainder for r in records[:-1]] == [-1] * (len(records) - 1)
+        assert records[-1].remainder == n % (bs * p) == expected[-1].remainder
+        assert [x.tolist() for x in loader] == as_lists(expected)
+        with pytest.raises(
+            TypeError, match=r"ShardedLoader.__len__: the Stream has no len\(\)"
+        ):
+            len(loader)
+
+
+def test_unsized_stream_with_drop_last_has_no_remainder() -> None:
+    loader = shard_loader(
+        ctx_for(2, 1),
+        DataLoader(Stream(10), batch_size=3, drop_last=True),
+        dispatch_batches=False,
+    )
+    records = list(iter_batches(loader))
+    assert as_lists(records) == [[3, 4, 5]]
+    assert [r.remainder for r in records] == [-1]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("bs", [1, 2, 3])
+@pytest.mark.parametrize("even_batches", [False, True])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_one_process_yields_the_original_batches(
+    kind: str, bs: int, drop_last: bool, even_batches: bool
+) -> None:
+    def make() -> DataLoader[torch.Tensor]:
+        return DataLoader(make_data(kind, 7), batch_size=bs, drop_last=drop_last)
+
+    loader = shard_loader(ctx_for(1), make(), even_batches=even_batches)
+    expected = [batch.tolist() for batch in make()]
+    assert [x.tolist() for x in loader] == expected
+    assert as_lists(list(iter_batches(loader))) == expected
+    assert len(loader) == len(make())
+    assert loader.total_batch_size == bs
+    assert loader.dispatch_batches is False
+
+
+# ------------------------------------------------------------- §4.2 epoch order
+
+
+def test_seeded_shuffle_matches_the_spec_example_and_torch() -> None:
+    order = seeded_order(8, 42)
+    assert order == [6, 3, 0, 7, 2, 1, 4, 5]  # SPEC §4.2, checked against torch
+
+    def make() -> DataLoader[torch.Tensor]:
+        return DataLoader(Indexed(8), batch_size=2, shuffle=True)
+
+    one = shard_loader(ctx_for(1), make(), seed=42)
+    assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]
+    assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]  # replay
+    two = [as_lists(records) for records in all_ranks(2, make, seed=42)]
+    assert two == [[[6, 3], [2, 1]], [[0, 7], [4, 5]]]
+    epoch_1 = seeded_order(8, 43)
+    assert as_lists(list(iter_batches(one, LoaderState(epoch=1)))) == [
+        epoch_1[i : i + 2] for i in range(0, 8, 2)
+    ]
+
+
+@pytest.mark.parametrize(
+    "sampler_options",
+    [
+        {},
+        {"replacement": True},
+        {"num_samples": 13},
+        {"replacement": True, "num_samples": 70},
+    ],
+)
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_seeded_shuffle_draws_as_torch_random_sampler(
+    sampler_options: dict[str, Any], epoch: int
+) -> None:
+    dataset = Indexed(9)
+    user_generator = torch.Generator()
+    user_generator.manual_seed(1234)
+    sampler = RandomSampler(dataset, generator=user_generator, **sampler_options)
+    before = user_generator.get_state()
+    loader = shard_loader(
+        ctx_for(1), DataLoader(dataset, batch_size=4, sampler=sampler), seed=7
+    )
+    torch.manual_seed(epoch)  # the global RNG must not matter
+    got = [
+        i
+        for batch in iter_batches(loader, LoaderState(epoch=epoch))
+        for i in batch.data.tolist()
+    ]
+    assert got == seeded_order(9, 7 + epoch, **sampler_options)
+    assert torch.equal(user_generator.get_state(), before)  # not consumed
+    assert len(loader) == -(-len(sampler) // 4)
+
+
+def test_epoch_order_is_the_same_for_every_world_size() -> None:
+    order = seeded_order(24, 5 + 2)
+
+    def make() -> DataLoader[torch.Tensor]:
+        return DataLoader(Indexed(24), batch_size=2, shuffle=True)
+
+    for p in (1, 2, 3, 4):
+        ranks = all_ranks(p, make, LoaderState(epoch=2), seed=5)
+        rounds = zip(*(as_lists(records) for records in ranks), strict=True)
+        assert [i for r in rounds for batch in r for i in batch] == order
+
+
+def test_iteration_uses_loader_epoch_without_counting() -> None:
+    loader = shard_loader(
+        ctx_for(1), DataLoader(Indexed(6), batch_size=6, shuffle=True), seed=3
+    )
+    assert loader.epoch == 0
+    first = [x.tolist() for x in loader]
+    assert [x.tolist() for x in loader] == first  # no automatic epoch counter
+    loader.set_epoch(4)
+    assert loader.epoch == 4
+    assert [x.tolist() for x in loader] == [seeded_order(6, 7)]
+    with pytest.raises(
+        ValueError, match=r"ShardedLoader.set_epoch: epoch must be >= 0; got -1"
+    ):
+        loader.set_epoch(-1)
+    with pytest.raises(
+        TypeError, match=r"ShardedLoader.set_epoch: epoch must be an int; got '2'"
+    ):
+        loader.set_epoch("2")  # type: ignore[arg-type]
+
+
+class EpochSampler(SequentialSampler):
+    """A custom sampler that records ``set_epoch``."""
+
+    def __init__(self, data_source: Indexed) -> None:
+        super().__init__(data_source)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+class EpochIndexed(Indexed):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+def test_set_epoch_reaches_sampler_and_dataset_at_each_epoch_start() -> None:
+    dataset = EpochIndexed(4)
+    sampler = EpochSampler(dataset)
+    loader = shard_loader(
+        ctx_for(2, 1), DataLoader(dataset, batch_size=2, sampler=sampler)
+    )
+    assert (sampler.epochs, dataset.epochs) == ([], [])
+    list(iter_batches(loader, LoaderState(epoch=3)))
+    loader.set_epoch(5)
+    list(loader)
+    assert sampler.epochs == [3, 5]
+    assert dataset.epochs == [3, 5]
+
+
+class GeneratorStream(IterableDataset[torch.Tensor]):
+    """A stream shuffled by its own ``generator`` attribute (no ``set_epoch``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.generator = torch.Generator()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.randperm(self.n, generator=self.generator))
+
+
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_iterable_dataset_generator_is_reseeded_with_seed_plus_epoch(
+    epoch: int,
+) -> None:
+    expected = torch.randperm(6, generator=torch.Generator().manual_seed(10 + epoch))
+    ranks = [
+        list(iter_batches(loader, LoaderState(epoch=epoch)))
+        for loader in (
+            shard_loader(
+                ctx_for(2, rank),
+                DataLoader(GeneratorStream(6), batch_size=3),
+                seed=10,
+                dispatch_batches=False,
+            )
+            for rank in (0, 1)
+        )
+    ]
+    assert as_lists(ranks[0]) + as_lists(ranks[1]) == [
+        expected[:3].tolist(),
+        expected[3:].tolist(),
+    ]
+
+
+# ------------------------------------------------------------------ §4.1 resume
+
+
+def test_resume_worked_example_across_world_sizes() -> None:
+    def make(bs: int) -> Any:
+        return lambda: DataLoader(Indexed(10), batch_size=bs)
+
+    first = all_ranks(2, make(2))
+    assert [as_lists(r) for r in first] == [
+        [[0, 1], [4, 5], [8, 9]],
+        [[2, 3], [6, 7], [0, 1]],
+    ]
+    state = first[0][0].state
+    assert state == LoaderState(epoch=0, global_batches=1, global_batch_size=4)
+    assert first[1][0].state == state
+    resumed = [as_lists(r) for r in all_ranks(2, make(2), state)]
+    assert resumed == [[[4, 5], [8, 9]], [[6, 7], [0, 1]]]
+    assert [as_lists(r) for r in all_ranks(1, make(2), state)] == [
+        [[4, 5], [6, 7], [8, 9]]
+    ]
+    four = [as_lists(r) for r in all_ranks(4, make(1), state)]
+    assert four == [[[4], [8]], [[5], [9]], [[6], [0]], [[7], [1]]]
+    loader = shard_loader(ctx_for(4, 0), DataLoader(Indexed(10), batch_size=2))
+    message = (
+        r"iter_batches: cannot resume 4 samples into the epoch with total_batch_size 8; "
+        r"use a world size and batch size whose global batch divides 4, or resume at an "
+        r"epoch start"
+    )
+    with pytest.raises(ValueError, match=message):
+        iter_batches(loader, state)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(
+    ("p", "options"),
+    [(1, {}), (2, {}), (3, {"even_batches": False}), (2, {"split_batches": True})],
+)
+def test_resume_fetches_no_skipped_sample(
+    p: int, options: dict[str, Any], shuffle: bool
+) -> None:
+    for rank in range(p):
+        dataset = Indexed(37)
+        loader = shard_loader(
+            ctx_for(p, rank),
+            DataLoader(dataset, batch_size=4, shuffle=shuffle),
+            seed=1,
+            **options,
+        )
+        full = list(iter_batches(loader))
+        assert len(dataset.fetched) == sum(len(b.data) for b in full)
+        dataset.fetched.clear()
+        resumed = list(iter_batches(loader, full[1].state))
+        yielded = [i for batch in resumed for i in batch.data.tolist()]
+        assert yielded and sorted(dataset.fetched) == sorted(
+            yielded
+        )  # nothing else read
+        assert as_lists(resumed) == as_lists(full[2:])
+
+
+def _same_records(a: Sequence[Batch], b: Sequence[Batch]) -> None:
+    assert as_lists(a) == as_lists(b)
+    keys = [(r.index, r.is_last, r.remainder, r.epoch, r.state) for r in a]
+    assert keys == [(r.index, r.is_last, r.remainder, r.epoch, r.state) for r in b]
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable", "unsized"])
+@pytest.mark.parametrize("stop", [0, 1, 2, 3, 4])
+def test_resume_continues_the_uninterrupted_epoch(kind: str, stop: int) -> None:
+    def loader(rank: int) -> ShardedLoader:
+        dataloader = DataLoader(make_data(kind, 29), batch_size=2)
+        return shard_loader(ctx_for(3, rank), dataloader, dispatch_batches=False)
+
+    for rank in range(3):
+        full = list(iter_batches(loader(rank)))
+        state = full[stop - 1].state if stop else LoaderState()
+        _same_records(list(iter_batches(loader(rank), state)), full[stop:])
+
+
+def test_skip_applies_to_one_call_and_past_the_end_yields_nothing() -> None:
+    loader = shard_loader(ctx_for(2, 0), DataLoader(Indexed(10), batch_size=2))
+    assert (
+        list(iter_batches(loader, LoaderState(global_batches=9, global_batch_size=4)))
+        == []
+    )
+    full = list(iter_batches(loader))
+    assert full[-1].state == LoaderState(epoch=1)
+    assert as_lists(list(iter_batches(loader, full[0].state))) == as_lists(full[1:])
+    assert as_lists(list(iter_batches(loader, LoaderState(epoch=1)))) == as_lists(full)
+
+
+@st.composite
+def resume_cases(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["map", "iterable"]))
+    n = draw(st.integers(0, 60))
+    drop_last = draw(st.booleans())
+
+    def world() -> tuple[int, int, bool, bool]:
+        p = draw(st.integers(1, 4))
+        split = draw(st.booleans())
+        bs = draw(st.integers(1, 4)) * (p if split else 1)
+        return p, bs, split, draw(st.booleans())
+
+    first = world()
+    g1 = first[1] if first[2] else first[1] * first[0]
+    whole = n // g1 if drop_last else -(-n // g1)
+    stop = draw(st.integers(1, max(whole - 1, 1)))
+    consumed = stop * g1
+    p2, split2 = draw(st.integers(1, 4)), draw(st.booleans())
+    sizes = [
+        g // (1 if split2 else p2)
+        for g in range(1, consumed + 1)
+        if consumed % g == 0 and g % p2 == 0
+    ]
+    bs2 = draw(st.sampled_from(sizes)) if sizes else None
+    return {
+        "kind": kind,
+        "n": n,
+        "drop_last": drop_last,
+        "first": first,
+        "second": (p2, bs2, split2, draw(st.booleans())),
+        "stop": stop,
+        "whole": whole,
+        "shuffle": kind == "map" and draw(st.booleans()),
+    }
+
+
+def _global_order(ranks: list[list[Batch]]) -> list[int]:
+    """Concatenate the ranks' batches round by round; drop the last round's padding."""
+    rounds = max((len(r) for r in ranks), default=0)
+    order: list[int] = []
+    for j in range(rounds):
+        round_items = [i for r in ranks if j < len(r) for i in r[j].data.tolist()]
+        final = ranks[0][j]  # rank 0 has the most batches, so it is in every round
+        if final.is_last and final.remainder > 0:
+            round_items = round_items[: final.remainder]
+        order += round_items
+    return order
+
+
+@given(resume_cases())
+def test_resume_on_another_world_size_continues_the_global_order(
+    case: dict[str, Any],
+) -> None:
+    n, kind, drop_last, stop = case["n"], case["kind"], case["drop_last"], case["stop"]
+    if case["whole"] < 2 or case["second"][1] is None:
+        return  # nothing to resume in the middle of, or no batch size divides it
+
+    def run(
+        world: tuple[int, int, bool, bool], state: LoaderState
+    ) -> list[list[Batch]]:
+        p, bs, split, even = world
+
+        def make() -> DataLoader[torch.Tensor]:
+            return DataLoader(
+                make_data(kind, n),
+                batch_size=bs,
+                drop_last=drop_last,
+                shuffle=case["shuffle"],
+            )
+
+        return all_ranks(
+            p,
+            make,
+            state,
+            split_batches=split,
+            even_batches=even,
+            dispatch_batches=False,
+            seed=9,
+        )
+
+    order = seeded_order(n, 9) if case["shuffle"] else list(range(n))
+    before = [r[:stop] for r in run(case["first"], LoaderState())]
+    state = before[0][-1].state
+    assert _global_order(before) == order[: len(_global_order(before))]
+    p2, bs2, split2, _ = case["second"]
+    g2 = bs2 if split2 else bs2 * p2
+    after = run(case["second"], state)
+    end = n // g2 * g2 if drop_last else n
+    assert _global_order(before) + _global_order(after) == order[:end]
+    whole = run(case["second"], LoaderState())
+    skipped = state.global_batches * state.global_batch_size // g2
+    for resumed, uninterrupted in zip(after, whole, strict=True):
+        _same_records(resumed, uninterrupted[skipped:])
+
+
+def test_dynamic_batch_sampler_resumes_in_its_own_batches() -> None:
+    batches = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
+    loader = shard_loader(ctx_for(2, 1), DataLoader(Indexed(11), batch_sampler=batches))
+    records = list(iter_batches(loader))
+    assert as_lists(records) == [
+        [3],
+        [6, 7, 8, 9],
+        [0, 1, 2],
+    ]  # looped back, whole batch
+    assert loader.total_batch_size is None
+    assert [r.remainder for r in records] == [-1, -1, -1]
+    assert records[0].state == LoaderState(
+        epoch=0, global_batches=1, global_batch_size=0
+    )
+    assert as_lists(list(iter_batches(loader, records[0].state))) == as_lists(
+        records[1:]
+    )
+    with pytest.raises(
+        ValueError, match=r"iter_batches: the loader has no fixed total_batch_size"
+    ):
+        iter_batches(loader, LoaderState(global_batches=1, global_batch_size=4))
+    assert batches == [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
+
+
+# ------------------------------------------------------------------- LoaderState
+
+
+@given(st.integers(0, 2**40), st.integers(0, 2**40), st.integers(0, 2**20))
+def test_loader_state_round_trips_through_json(
+    epoch: int, done: int, size: int
+) -> None:
+    state = LoaderState(epoch=epoch, global_batches=done, global_batch_size=size)
+    assert LoaderState.from_dict(state.to_dict()) == state
+    assert LoaderState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+
+
+@pytest.mark.parametrize("field", ["epoch", "global_batches", "global_batch_size"])
+def test_loader_state_rejects_bad_fields(field: str) -> None:
+    with pytest.raises(ValueError, match=rf"LoaderState: {field} must be >= 0; got -2"):
+        LoaderState(**{field: -2})
+    with pytest.raises(
+        TypeError, match=rf"LoaderState: {field} must be an int; got 1.5"
+    ):
+        LoaderState(**{field: 1.5})  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=rf"LoaderState: {field} must be an int; got True"
+    ):
+        LoaderState(**{field: True})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(LoaderState(), field, 1)  # noqa: B010
+
+
+def test_loader_state_from_dict_rejects_other_shapes() -> None:
+    with pytest.raises(TypeError, match=r"LoaderState.from_dict: data must be a dict"):
+        LoaderState.from_dict([("epoch", 1)])
+    with pytest.raises(ValueError, match=r"got \['epoch'\]"):
+        LoaderState.from_dict({"epoch": 1})
+    extra = {**LoaderState().to_dict(), "step": 3}
+    with pytest.raises(ValueError, match=r"exactly the keys"):
+        LoaderState.from_dict(extra)
+    assert extra["step"] == 3 and len(extra) == 4  # not modified
+
+
+def test_batch_state_after_each_batch() -> None:
+    records = list(
+        iter_batches(
+            shard_loader(ctx_for(3, 2), DataLoader(Indexed(20), batch_size=3)),
+            LoaderState(epoch=4),
+        )
+    )
+    assert [r.state for r in records] == [
+        LoaderState(epoch=4, global_batches=1, global_batch_size=9),
+        LoaderState(epoch=4, global_batches=2, global_batch_size=9),
+        LoaderState(epoch=5),
+    ]
+    assert [r.epoch for r in records] == [4, 4, 4]
+
+
+# ------------------------------------------------------- the caller's objects
+
+
+def test_the_callers_loader_sampler_and_lists_are_not_modified() -> None:
+    dataset = Indexed(10)
+    generator = torch.Generator()
+    generator.manual_seed(3)
+    loader_generator = torch.Generator()
+    loader_generator.manual_seed(4)
+    dataloader = DataLoader(
+        dataset, batch_size=3, shuffle=True, generator=loader_generator
+    )
+    attributes = dict(vars(dataloader))
+    sampler_attributes = dict(vars(dataloader.sampler))
+    batch_sampler = dataloader.batch_sampler
+    assert dataloader.sampler.generator is loader_generator  # type: ignore[attr-defined]
+    state = loader_generator.get_state()
+    rng_types: list[Any] = ["generator"]
+    for rank in range(2):
+        loader = shard_loader(ctx_for(2, rank), dataloader, rng_types=rng_types)
+        list(iter_batches(loader))
+        list(loader)
+    assert rng_types == ["generator"]
+    assert vars(dataloader) == attributes
+    assert vars(dataloader.sampler) == sampler_attributes
+    assert dataloader.batch_sampler is batch_sampler
+    assert torch.equal(loader_generator.get_state(), state)  # not consumed
+    assert isinstance(loader.rng_types, tuple) and loader.rng_types == ("generator",)
+
+
+class Tagged(Dataset[dict[str, Any]]):
+    """Items say which worker read them, and whether worker_init_fn ran there."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tag = "main"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        info = get_worker_info()
+        workers = -1 if info is None else info.num_workers
+        return {"index": index, "pid": os.getpid(), "workers": workers, "tag": self.tag}
+
+
+def tag_worker(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.tag = f"init-{worker_id}"  # type: ignore[attr-defined]
+
+
+def collate_rows(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "p", "dispatch"),
+    [
+        ("map", 1, False),
+        ("map", 2, False),
+        ("map", 2, True),
+        ("iterable", 1, False),
+        ("iterable", 2, False),
+        ("iterable", 2, True),
+        ("unsized", 2, False),
+    ],
+)
+def test_kept_dataloader_settings_reach_the_inner_loader(
+    kind: str, p: int, dispatch: bool
+) -> None:
+    dataloader = DataLoader(
+        make_data(kind, 8),
+        batch_size=2,
+        num_workers=2,
+        collate_fn=collate_rows,
+        pin_memory=True,
+        timeout=30.0,
+        worker_init_fn=tag_worker,
+        multiprocessing_context="fork",
+        prefetch_factor=3,
+        persistent_workers=True,
+        pin_memory_device="",
+        in_order=False,
+    )
+    kept = kept_settings(dataloader)
+    assert set(kept) == {
+        "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+        "multiprocessing_context", "prefetch_factor", "persistent_workers",
+        "pin_memory_device", "in_order",
+    }  # fmt: skip
+    assert kept["in_order"] is False and kept["prefetch_factor"] == 3
+    loader = shard_loader(ctx_for(p, 0), dataloader, dispatch_batches=dispatch)
+    inner = loader._setup.inner
+    assert inner is not None and inner is not dataloader
+    got = kept_settings(inner)
+    if kind == "unsized":  # the collate_fn is wrapped to count the stream
+        assert got.pop("collate_fn").collate_fn is collate_rows
+        kept.pop("collate_fn")
+    assert got == kept
+    assert inner.generator is not dataloader.generator
+
+
+def test_worker_settings_work_across_epochs() -> None:
+    dataloader = DataLoader(
+        Tagged(8),
+        batch_size=2,
+        num_workers=2,
+        collate_fn=collate_rows,
+        worker_init_fn=tag_worker,
+        persistent_workers=True,
+    )
+    loader = shard_loader(ctx_for(2, 0), dataloader, put_on_device=False)
+    epochs = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        epochs.append(list(loader))
+    assert (
+        [b["index"] for b in epochs[0]]
+        == [[0, 1], [4, 5]]
+        == [b["index"] for b in epochs[1]]
+    )
+    assert all(w == 2 for b in epochs[0] for w in b["workers"])
+    assert all(t.startswith("init-") for b in epochs[0] for t in b["tag"])
+    pids = [{p for b in batches for p in b["pid"]} for batches in epochs]
+    assert pids[0] == pids[1] and os.getpid() not in pids[0]  # persistent workers
+
+
+def test_pin_memory_is_kept() -> None:
+    loader = shard_loader(
+        ctx_for(1), DataLoader(Indexed(4), batch_size=2, pin_memory=True)
+    )
+    with pytest.warns(UserWarning, match="pin_memory"):
+        assert [x.tolist() for x in loader] == [[0, 1], [2, 3]]
+
+
+# ------------------------------------------------------------ device placement
+
+
+def test_put_on_device_moves_batches_to_ctx_device() -> None:
+    meta = DistributedContext(device=torch.device("meta"))
+    dataloader = DataLoader(
+        Tagged(4),
+        batch_size=2,
+        collate_fn=lambda rows: (
+            torch.tensor([r["index"] for r in rows]),
+            [r["tag"] for r in rows],
+        ),
+    )
+    moved = list(iter_batches(shard_loader(meta, dataloader)))
+    assert [b.data[0].device.type for b in moved] == ["meta", "meta"]
+    assert [b.data[1] for b in moved] == [["main", "main"]] * 2
+    kept = list(shard_loader(meta, dataloader, put_on_device=False))
+    assert [b[0].tolist() for b in kept] == [[0, 1], [2, 3]]
+    assert (
+        list(shard_loader(meta, dataloader, non_blocking=True))[0][0].device.type
+        == "meta"
+    )
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("map", {}),
+        ("iterable", {"dispatch_batches": False}),
+        ("iterable", {"dispatch_batches": True}),
+        ("map", {"dispatch_batches": True}),
+    ],
+)
+@pytest.mark.parametrize("bs", [1, 3])
+def test_split_batches_needs_a_multiple_of_the_world(
+    kind: str, options: dict[str, Any], bs: int
+) -> None:
+    message = (
+        rf"shard_loader: batch_size \({bs}\) must be a multiple of num_processes \(2\) "
+        rf"when split_batches=True; use a batch size divisible by 2 or split_batches=False."
+    )
+    with pytest.raises(ValueError, match=message):
+        shard_loader(
+            ctx_for(2, 0),
+            DataLoader(make_data(kind, 6), batch_size=bs),
+            split_batches=True,
+            **options,
+        )
+
+
+def test_split_batches_needs_a_known_batch_size() -> None:
+    dataloader = DataLoader(Indexed(6), batch_sampler=[[0, 1], [2, 3, 4, 5]])
+    with pytest.raises(ValueError, match=r"batch_size \(None\) must be a multiple"):
+        shard_loader(ctx_for(1), dataloader, split_batches=True)
+
+
+def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
+    dataloader = DataLoader(Indexed(3), batch_size=None)
+    assert [x.tolist() for x in shard_loader(ctx_for(1), dataloader)] == [0, 1, 2]
+    assert len(shard_loader(ctx_for(1), dataloader)) == 3
+    with pytest.raises(
+        ValueError,
+        match=r"shard_loader: the DataLoader does not batch \(batch_size=None\)",
+    ):
+        shard_loader(ctx_for(2, 0), dataloader)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "pattern"),
+    [
+        ({"ctx": "cpu"}, TypeError, r"shard_loader: ctx must be a DistributedContext"),
+        (
+            {"dataloader": [1, 2]},
+            TypeError,
+            r"shard_loader: dataloader must be a torch.utils.data.DataLoader; got \[1, 2\]",
+        ),
+        (
+            {"split_batches": 1},
+            TypeError,
+            r"shard_loader: split_batches must be True or False; got 1",
+        ),
+        (
+            {"put_on_device": None},
+            TypeError,
+            r"shard_loader: put_on_device must be True or False",
+        ),
+        (
+            {"even_batches": "yes"},
+            TypeError,
+            r"shard_loader: even_batches must be True or False",
+        ),
+        (
+            {"non_blocking": 0},
+            TypeError,
+            r"shard_loader: non_blocking must be True or False",
+        ),
+        (
+            {"dispatch_batches": "auto"},
+            TypeError,
+            r"shard_loader: dispatch_batches must be None, True or False",
+        ),
+        ({"seed": 1.0}, TypeError, r"shard_loader: seed must be an int; got 1.0"),
+        ({"seed": -1}, ValueError, r"shard_loader: seed must be >= 0; got -1"),
+        (
+            {"slice_fn": 3},
+            TypeError,
+            r"shard_loader: slice_fn must be None or a callable",
+        ),
+        (
+            {"rng_types": "torch"},
+            TypeError,
+            r"shard_loader: rng_types must be None or a list",
+        ),
+        (
+            {"rng_types": ["torch", "numpy"]},
+            ValueError,
+            r"got 'numpy' in \['torch', 'numpy'\]",
+        ),
+        (
+            {"rng_types": ["cuda"]},
+            ValueError,
+            r"rng_types has 'cuda' but ctx.device is cpu",
+        ),
+        (
+            {"dispatch_batches": True, "put_on_device": False},
+            ValueError,
+            r"dispatch_batches=True needs put_on_device=True",
+        ),
+    ],
+)
+def test_shard_loader_rejects_bad_arguments(
+    arguments: dict[str, Any], error: type[Exception], pattern: str
+) -> None:
+    call: dict[str, Any] = {
+        "ctx": ctx_for(2, 0),
+        "dataloader": DataLoader(Indexed(4), batch_size=2),
+        **arguments,
+    }
+    with pytest.raises(error, match=pattern):
+        shard_loader(call.pop("ctx"), call.pop("dataloader"), **call)
+
+
+def test_iter_batches_rejects_bad_arguments() -> None:
+    loader = shard_loader(ctx_for(1), DataLoader(Indexed(4), batch_size=2))
+    with pytest.raises(
+        TypeError, match=r"iter_batches: loader must be a ShardedLoader"
+    ):
+        iter_batches(DataLoader(Indexed(4)))  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"iter_batches: state must be a LoaderState; got \{'epoch': 0\}",
+    ):
+        iter_batches(loader, {"epoch": 0})  # type: ignore[arg-type]
+
+
+def test_default_dispatch_follows_the_dataset_kind() -> None:
+    assert shard_loader(
+        ctx_for(2, 1), DataLoader(SizedStream(4), batch_size=2)
+    ).dispatch_batches
+    assert not shard_loader(
+        ctx_for(2, 1), DataLoader(SizedStream(4), batch_size=2), put_on_device=False
+    ).dispatch_batches
+    assert not shard_loader(
+        ctx_for(2, 1), DataLoader(Indexed(4), batch_size=2)
+    ).dispatch_batches
+    assert shard_loader(
+        ctx_for(2, 1), DataLoader(Indexed(4), batch_size=2), dispatch_batches=True
+    ).dispatch_batches
+    one = shard_loader(
+        ctx_for(1), DataLoader(SizedStream(4), batch_size=2), dispatch_batches=True
+    )
+    assert not one.dispatch_batches and [x.tolist() for x in one] == [[0, 1], [2, 3]]
+
+
+def test_loader_properties_and_repr() -> None:
+    dataloader = DataLoader(Indexed(4), batch_size=2)
+    loader = shard_loader(
+        ctx_for(2, 1), dataloader, split_batches=True, seed=5, even_batches=False
+    )
+    assert loader.dataloader is dataloader and loader.dataset is dataloader.dataset
+    assert loader.ctx == ctx_for(2, 1)
+    assert (
+        loader.split_batches,
+        loader.even_batches,
+        loader.put_on_device,
+        loader.seed,
+    ) == (True, False, True, 5)
+    assert loader.rng_types == ()
+    assert (
+        repr(loader)
+        == "ShardedLoader(rank=1/2, total_batch_size=2, epoch=0, dispatch_batches=False)"
+    )
+
+
+# --------------------------------------------------- real processes (gloo)
+
+
+def _rng_and_workers(ctx: DistributedContext) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch.manual_seed(100 + ctx.process_index)  # differently seeded ranks
+    plain = shard_loader(ctx, DataLoader(Indexed(8), batch_size=2))
+    next(iter(plain))
+    out["unsynced"] = torch.rand(1).item()
+    for dispatch in (False, True):
+        torch.manual_seed(100 + ctx.process_index)
+        synced = shard_loader(
+            ctx,
+            DataLoader(Indexed(8), batch_size=2),
+            rng_types=("torch",),
+            dispatch_batches=dispatch,
+        )
+        next(iter(iter_batches(synced)))
+        out[f"synced-{dispatch}"] = torch.rand(1).item()
+    # A sampler with its own generator, seeded differently per rank: the shards only
+    # partition the data when "generator" is synchronised from rank 0.
+    generator = torch.Generator()
+    generator.manual_seed(ctx.process_index)
+    sampler = SubsetRandomSampler(list(range(12)), generator=generator)
+    loader = shard_loader(
+        ctx,
+        DataLoader(Indexed(12), batch_size=3, sampler=sampler),
+        rng_types=["generator"],
+    )
+    out["subset"] = [i for batch in loader for i in batch.tolist()]
+    # "fork": the default start method in these workers is the fork server, which
+    # would re-import torch for the loader's workers (tens of seconds on CI).
+    workers = DataLoader(
+        Indexed(10),
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    out["workers"] = [x.tolist() for x in shard_loader(ctx, workers, seed=42)]
+    return out
+
+
+@pytest.mark.distributed
+def test_rng_sync_and_worker_processes_over_gloo(tmp_path: Path) -> None:
+    rank0, rank1 = run_ranks(_rng_and_workers, 2, tmp_path)
+    assert rank0["unsynced"] != rank1["unsynced"]  # the control
+    assert rank0["synced-False"] == rank1["synced-False"]
+    assert rank0["synced-True"] == rank1["synced-True"]
+    assert sorted(rank0["subset"] + rank1["subset"]) == list(range(12))
+    order = seeded_order(10, 42)
+    expected = [
+        [order[0:3], order[6:9]],
+        [order[3:6], [order[9], *order[0:2]]],
+    ]
+    assert [rank0["workers"], rank1["workers"]] == expected
+
+
+class WorkerSeed(Dataset[int]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return torch.initial_seed()
+
+
+def test_loader_leaves_the_global_rng_alone_and_seeds_workers_per_epoch() -> None:
+    loader = shard_loader(
+        ctx_for(1),
+        DataLoader(WorkerSeed(), batch_size=2, num_workers=1, collate_fn=list),
+        seed=11,
+    )
+    before = torch.get_rng_state()
+    seeds = [
+        list(iter_batches(loader, LoaderState(epoch=e)))[0].data for e in (0, 0, 1)
+    ]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seeds[0] == seeds[1] != seeds[2]
