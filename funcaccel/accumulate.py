@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
-from typing import Final
 
 import torch
 from torch import nn
@@ -57,18 +56,6 @@ __all__ = [
     "sync_ctx",
     "window_grad_factor",
 ]
-
-# The type every field must have exactly (bool is not accepted as an int).
-_FIELD_TYPES: Final[dict[str, type]] = {
-    "accumulation_steps": int,
-    "micro_step": int,
-    "sync_gradients": bool,
-    "end_of_dataloader": bool,
-    "step_was_skipped": bool,
-    "optimizer_steps": int,
-    "sync_with_dataloader": bool,
-    "sync_each_batch": bool,
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,49 +155,42 @@ class GradState:
 
 
 def _raise_invalid(state: GradState) -> None:
-    for name, kind in _FIELD_TYPES.items():
-        value = getattr(state, name)
-        if type(value) is not kind:
-            msg = f"GradState: {name} must be {_a(kind.__name__)}; got {value!r} ({type(value).__name__})."
+    for field in dataclasses.fields(state):
+        value, kind = getattr(state, field.name), field.type  # "int" or "bool"
+        if type(value).__name__ != kind:
+            msg = f"GradState: {field.name} must be {_a(str(kind))}; got {value!r} ({type(value).__name__})."
             raise TypeError(msg)
-    k = state.accumulation_steps
-    if k < 1:
-        msg = f"GradState: accumulation_steps must be >= 1; got {k}."
-        raise ValueError(msg)
-    if not 0 <= state.micro_step < k:
-        msg = (
-            f"GradState: micro_step ({state.micro_step}) must be in "
-            f"[0, accumulation_steps={k}); a window closes when it reaches {k}."
-        )
-        raise ValueError(msg)
-    if state.optimizer_steps < 0:
-        msg = f"GradState: optimizer_steps must be >= 0; got {state.optimizer_steps}."
-        raise ValueError(msg)
-    if state.sync_gradients != (state.micro_step == 0):
-        msg = (
-            f"GradState: sync_gradients ({state.sync_gradients}) must be true exactly "
-            f"when micro_step == 0; got micro_step={state.micro_step}. Pass "
-            f"sync_gradients={state.micro_step == 0}."
-        )
-        raise ValueError(msg)
-    if state.step_was_skipped and not state.sync_gradients:
-        msg = (
-            "GradState: step_was_skipped=True needs sync_gradients=True (only a "
-            "syncing micro-step steps); got sync_gradients=False."
-        )
-        raise ValueError(msg)
-    if (
-        state.end_of_dataloader
-        and state.sync_with_dataloader
-        and not state.sync_gradients
-    ):
-        msg = (
-            "GradState: end_of_dataloader=True with sync_with_dataloader=True closes "
-            "the window, so sync_gradients must be True; got False."
-        )
-        raise ValueError(msg)
-    msg = f"GradState: inconsistent fields {state.to_dict()}."  # pragma: no cover
-    raise AssertionError(msg)  # pragma: no cover
+    k, j, synced = state.accumulation_steps, state.micro_step, state.sync_gradients
+    problems = [
+        (k < 1, f"accumulation_steps must be >= 1; got {k}."),
+        (
+            not 0 <= j < k,
+            f"micro_step ({j}) must be in [0, accumulation_steps={k}); a window "
+            f"closes when it reaches {k}.",
+        ),
+        (
+            state.optimizer_steps < 0,
+            f"optimizer_steps must be >= 0; got {state.optimizer_steps}.",
+        ),
+        (
+            synced != (j == 0),
+            f"sync_gradients ({synced}) must be true exactly when micro_step == 0; "
+            f"got micro_step={j}. Pass sync_gradients={j == 0}.",
+        ),
+        (
+            state.step_was_skipped and not synced,
+            "step_was_skipped=True needs sync_gradients=True (only a syncing "
+            "micro-step steps); got sync_gradients=False.",
+        ),
+        (
+            state.end_of_dataloader and state.sync_with_dataloader and not synced,
+            "end_of_dataloader=True with sync_with_dataloader=True closes the "
+            "window, so sync_gradients must be True; got False.",
+        ),
+    ]
+    # __post_init__'s expression failed, so one of these holds.
+    msg = next(problem for bad, problem in problems if bad)
+    raise ValueError(f"GradState: {msg}")
 
 
 def _check_grad(grad: object, caller: str) -> None:
