@@ -902,6 +902,10 @@ def _restore_checks(ctx: DistributedContext) -> dict[str, Any]:
     out["fsdp_grads_after"] = [
         _full(q.grad) for q in fsdp.parameters() if q.grad is not None
     ]
+    out["fsdp_norm"] = clip_grad_norm_(list(fsdp.parameters()), 0.5)
+    out["fsdp_clipped"] = [
+        _full(q.grad) for q in fsdp.parameters() if q.grad is not None
+    ]
     return out
 
 
@@ -1051,3 +1055,8 @@ def test_no_sync_contexts_are_restored_also_on_error(
         assert out["ddp_on_sync_step"] is True
         assert out["fsdp_grads_inside"] == [True] * 4
         _close(out["fsdp_grads_after"], expected, 1e-12)
+        # clip_grad_norm_ on sharded gradients: the global norm, a plain tensor.
+        norm = torch.cat([g.flatten() for g in expected]).norm()
+        assert type(out["fsdp_norm"]) is torch.Tensor
+        _close([out["fsdp_norm"]], [norm], 1e-12)
+        _close(out["fsdp_clipped"], [g * 0.5 / (norm + 1e-6) for g in expected], 1e-12)
