@@ -10,10 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections import OrderedDict
+from collections import defaultdict
 from collections.abc import Iterator
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -34,6 +38,7 @@ from funcaccel.loader import Batch
 from funcaccel.loader import LoaderState
 from funcaccel.loader import ShardedLoader
 from funcaccel.loader import iter_batches
+from funcaccel.loader import send_to_device
 from funcaccel.loader import shard_loader
 from tests._dist import run_ranks
 
@@ -1061,3 +1066,147 @@ def test_loader_leaves_the_global_rng_alone_and_seeds_workers_per_epoch() -> Non
     ]
     assert torch.equal(torch.get_rng_state(), before)
     assert seeds[0] == seeds[1] != seeds[2]
+
+
+# ------------------------------------------------------------- send_to_device
+
+META = torch.device("meta")
+
+
+class Point(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    features: torch.Tensor
+    meta: dict[str, Any]
+    derived: int = dataclasses.field(init=False, default=7)
+
+
+class Movable:
+    """An object with its own ``.to``, recording the calls."""
+
+    def __init__(self, *, accepts_non_blocking: bool) -> None:
+        self.accepts = accepts_non_blocking
+        self.calls: list[tuple[Any, ...]] = []
+
+    def to(self, device: torch.device, **kwargs: Any) -> str:
+        if kwargs and not self.accepts:
+            raise TypeError("to() got an unexpected keyword argument 'non_blocking'")
+        self.calls.append((device, *kwargs.items()))
+        return f"moved to {device}"
+
+
+class Rows(list[Any]):
+    """A list subclass with a constructor of its own."""
+
+    def __init__(self, name: str, items: Sequence[Any]) -> None:
+        super().__init__(items)
+        self.name = name
+
+
+def test_send_to_device_rebuilds_containers_and_moves_tensors() -> None:
+    tensor = torch.arange(3)
+    factory: defaultdict[str, list[int]] = defaultdict(list)
+    factory["t"] = tensor  # type: ignore[assignment]
+    batch: dict[str, Any] = {
+        "tuple": (tensor, "a"),
+        "point": Point(tensor, "p"),
+        "ordered": OrderedDict(t=tensor),
+        "factory": factory,
+        "frozen": MappingProxyType({"t": tensor}),
+        "sample": Sample(tensor, {"t": tensor}),
+        "rows": Rows("r", [tensor, 1]),
+        "other": [None, 3.5, "s"],
+    }
+    moved = send_to_device(batch, META)
+    assert moved["tuple"][0].device == META and moved["tuple"][1] == "a"
+    assert type(moved["point"]) is Point and moved["point"].x.device == META
+    assert (
+        type(moved["ordered"]) is OrderedDict and moved["ordered"]["t"].device == META
+    )
+    assert (
+        moved["factory"].default_factory is list
+        and moved["factory"]["t"].device == META
+    )
+    assert (
+        type(moved["frozen"]) is MappingProxyType
+        and moved["frozen"]["t"].device == META
+    )
+    assert (
+        moved["sample"].features.device == META
+        and moved["sample"].meta["t"].device == META
+    )
+    assert moved["sample"].derived == 7
+    assert type(moved["rows"]) is Rows and moved["rows"].name == "r"
+    assert moved["rows"][0].device == META and moved["rows"][1] == 1
+    assert moved["other"] == [None, 3.5, "s"]
+    # The input is unchanged.
+    assert batch["tuple"][0] is tensor and batch["rows"][0] is tensor
+    assert factory["t"] is tensor and batch["sample"].features is tensor
+
+
+@pytest.mark.parametrize("accepts", [True, False])
+def test_send_to_device_calls_to_on_other_objects(accepts: bool) -> None:
+    obj = Movable(accepts_non_blocking=accepts)
+    blocking_result: Any = send_to_device([obj], "meta")
+    assert blocking_result == ["moved to meta"]
+    result: Any = send_to_device({"o": obj}, "meta", non_blocking=True)
+    assert result == {"o": "moved to meta"}
+    blocking = (META,)
+    assert obj.calls == [
+        blocking,
+        (META, ("non_blocking", True)) if accepts else blocking,
+    ]
+
+
+def test_send_to_device_rejects_bad_arguments() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"send_to_device: device must be a torch.device or a str; got 0",
+    ):
+        send_to_device(torch.zeros(1), 0)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"send_to_device: non_blocking must be a bool; got 1"
+    ):
+        send_to_device(torch.zeros(1), "cpu", non_blocking=1)  # type: ignore[arg-type]
+
+
+nested = st.recursive(
+    st.one_of(
+        st.integers(),
+        st.text(max_size=2),
+        st.none(),
+        st.integers(0, 3).map(lambda k: torch.arange(k)),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), children, max_size=3),
+    ),
+    max_leaves=10,
+)
+
+
+def _shape(data: Any) -> Any:
+    """The structure with tensors replaced by their device and values."""
+    if isinstance(data, torch.Tensor):
+        return ("tensor", data.device.type, tuple(data.shape))
+    if isinstance(data, dict):
+        return {k: _shape(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_shape(v) for v in data)
+    return data
+
+
+@given(nested, st.booleans())
+def test_send_to_device_keeps_structure_and_input(
+    data: Any, non_blocking: bool
+) -> None:
+    before = _shape(data)
+    moved = send_to_device(data, META, non_blocking=non_blocking)
+    assert _shape(data) == before  # unchanged input
+    expected = json.loads(json.dumps(before).replace('"cpu"', '"meta"'))
+    assert json.loads(json.dumps(_shape(moved))) == expected
