@@ -219,6 +219,12 @@ def unscale_grads_(
 
     Raises:
         TypeError: ``scaler`` or ``optimizer`` of the wrong type.
+
+    >>> w = torch.nn.Parameter(torch.ones(1))
+    >>> opt, scaler = torch.optim.SGD([w], lr=0.5), torch.amp.GradScaler("cpu", init_scale=4.0)
+    >>> torch.autograd.backward(scaler.scale(w.sum()))
+    >>> unscale_grads_(scaler, opt), unscale_grads_(scaler, opt), w.grad.item()
+    (1, 0, 1.0)
     """
     _check_scaler(scaler, "unscale_grads_")
     optimizers = as_tuple_of(
@@ -323,6 +329,12 @@ def optimizer_step(
 
     Raises:
         TypeError: ``optimizer`` or ``scaler`` of the wrong type.
+
+    >>> w = torch.nn.Parameter(torch.ones(1))
+    >>> opt, scaler = torch.optim.SGD([w], lr=0.5), torch.amp.GradScaler("cpu", init_scale=4.0)
+    >>> torch.autograd.backward(scaler.scale(w.sum() * float("inf")))
+    >>> optimizer_step(opt, scaler=scaler), w.item(), scaler.get_scale()
+    (True, 1.0, 2.0)
     """
     optimizers = as_tuple_of(
         optimizer, torch.optim.Optimizer, caller="optimizer_step", name="optimizer"

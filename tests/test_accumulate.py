@@ -490,6 +490,19 @@ def test_one_process_ragged_last_micro_batch_gets_the_mean_of_micro_batch_losses
     _close(params, expected_params)
 
 
+def test_sync_with_dataloader_false_windows_span_epochs_exactly() -> None:
+    x, y = _data(10)
+    batches = _chunks(10, 1)
+    grad = GradState(accumulation_steps=4, sync_with_dataloader=False)
+    seen, params, states = _run(ONE, batches, x, y, grad, epochs=2)
+    assert _windows(states) == [3, 7, 11, 15, 19]
+    two_epochs = batches * 2  # window 3 is batches 8, 9 of epoch 0 and 0, 1 of epoch 1
+    expected_grads, expected_params, _ = _reference(_split_windows(two_epochs, 4), x, y)
+    for got, want in zip(seen, expected_grads, strict=True):
+        _close(got, want)
+    _close(params, expected_params)
+
+
 def test_short_last_window_gets_the_full_gradient_of_its_one_batch() -> None:
     x, y = _data(3)
     batches = _chunks(3, 1)  # k=2: windows {0, 1} and the 1-batch tail {2}
