@@ -35,6 +35,7 @@ from funcaccel.sharding import shard_iterable_dataset
 
 __all__ = [
     "BaseIndices",
+    "seeded_order",
     "CountedStream",
     "IndexSlot",
     "IndexedBatches",
@@ -116,7 +117,7 @@ class BaseIndices:
         if self.kind == "sequential":
             order = range(_sized_len(self.source))
         else:
-            order = list(_seeded_sampler(self.source, self.seed + epoch))
+            order = seeded_order(self.source, self.seed + epoch)
         return self._batched(order)
 
     def for_length(self) -> Iterable[Any]:
@@ -154,16 +155,37 @@ def _sized_len(source: object) -> int:
     return len(source)
 
 
-def _seeded_sampler(original: Iterable[Any], seed: int) -> RandomSampler:
-    assert isinstance(original, RandomSampler)  # kind == "random"
+def seeded_order(sampler: Iterable[Any], seed: int) -> list[int]:
+    """Return the order ``sampler`` (a ``RandomSampler``) draws with a fresh seed.
+
+    The draws are torch's ``RandomSampler.__iter__``'s, made on a new CPU generator
+    seeded ``seed``, but as whole tensors: the epoch's order costs a few C calls
+    instead of one Python step per index (tests compare it with torch's own).
+
+    >>> generator = torch.Generator().manual_seed(42)
+    >>> sampler = RandomSampler(range(8), generator=generator)
+    >>> seeded_order(sampler, 42) == list(sampler) == [6, 3, 0, 7, 2, 1, 4, 5]
+    True
+    """
+    assert isinstance(sampler, RandomSampler)  # kind == "random"
     generator = torch.Generator()
     generator.manual_seed(seed)
-    return RandomSampler(
-        original.data_source,
-        replacement=original.replacement,
-        num_samples=original.num_samples,
-        generator=generator,
-    )
+    n, count = len(sampler.data_source), sampler.num_samples
+    parts: list[torch.Tensor] = []
+    if sampler.replacement:
+        for _ in range(count // 32):
+            parts.append(
+                torch.randint(n, (32,), dtype=torch.int64, generator=generator)
+            )
+        parts.append(
+            torch.randint(n, (count % 32,), dtype=torch.int64, generator=generator)
+        )
+    else:
+        for _ in range(count // n):
+            parts.append(torch.randperm(n, generator=generator))
+        parts.append(torch.randperm(n, generator=generator)[: count % n])
+    order: list[int] = torch.cat(parts).tolist()
+    return order
 
 
 class IndexSlot(Sampler[Any]):

@@ -31,6 +31,7 @@ from torch.utils.data import SequentialSampler
 from torch.utils.data import SubsetRandomSampler
 from torch.utils.data import get_worker_info
 
+from funcaccel import _epoch
 from funcaccel._loader_setup import kept_settings
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
@@ -1210,3 +1211,28 @@ def test_send_to_device_keeps_structure_and_input(
     assert _shape(data) == before  # unchanged input
     expected = json.loads(json.dumps(before).replace('"cpu"', '"meta"'))
     assert json.loads(json.dumps(_shape(moved))) == expected
+
+
+@given(
+    n=st.integers(1, 70),
+    num_samples=st.none() | st.integers(1, 150),
+    replacement=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_seeded_order_is_torch_random_sampler_order(
+    n: int, num_samples: int | None, replacement: bool, seed: int
+) -> None:
+    sampler = RandomSampler(range(n), replacement=replacement, num_samples=num_samples)
+    expected = seeded_order_of_torch(n, seed, replacement, num_samples)
+    assert _epoch.seeded_order(sampler, seed) == expected
+
+
+def seeded_order_of_torch(
+    n: int, seed: int, replacement: bool, num_samples: int | None
+) -> list[int]:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    sampler = RandomSampler(
+        range(n), replacement=replacement, num_samples=num_samples, generator=generator
+    )
+    return list(sampler)
