@@ -8,7 +8,9 @@ scheduler). Epochs of the variants are interleaved repetition by repetition so t
 machine noise hits all alike; the table gives each variant's median epoch time, its
 spread (interquartile range) and minimum, and its ratio to plain PyTorch three
 ways: of the medians, the median of the per-repetition ratios and of the minima
-(the least disturbed by other load on a shared machine). One process, CPU, one thread by default.
+(the least disturbed by other load on a shared machine). Times are this thread's
+CPU time by default (``--clock wall`` for elapsed time), so that a shared,
+overloaded machine adds less noise. One process, CPU, one torch thread by default.
 
     python benchmarks/bench_loop.py --repeats 30   # after pip install -e . (or PYTHONPATH=.)
 """
@@ -141,7 +143,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-accelerate", action="store_true")
+    parser.add_argument(
+        "--clock",
+        choices=("thread", "wall"),
+        default="thread",
+        help="thread: CPU time of this thread (with --threads 1 all the work; "
+        "unaffected by time spent descheduled on a shared machine); wall: elapsed",
+    )
     args = parser.parse_args()
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
     batches = _batches(args.micro_batches, args.batch_size)
     variants: dict[str, Epoch] = {
@@ -158,14 +168,14 @@ def main() -> None:
     for rep in range(args.repeats):
         # Rotate the order so that no variant always runs first.
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            start = time.perf_counter()
+            start = clock()
             variants[name]()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     base = samples["plain PyTorch"]
     print(
         f"{args.micro_batches} micro-batches of {args.batch_size}, accumulation "
         f"{ACCUMULATION_STEPS}, {args.repeats} interleaved repetitions, "
-        f"{args.threads} thread(s)\n"
+        f"{args.threads} thread(s), {args.clock} clock\n"
     )
     print(
         "| loop | median ms/epoch | IQR ms | min ms | µs/micro-step | ratio of medians "
