@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard
 
+from funcaccel._lazy import is_instance_if_loaded
 from funcaccel.context import DistributedContext
+
+if TYPE_CHECKING:
+    # Imported for real only when sharding: the package takes seconds to import.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["FSDPOptions", "check_fsdp_options", "is_fsdp_module", "shard_model"]
 
@@ -83,8 +85,8 @@ class FSDPOptions:
                 f"reshard to and must be >= 1; got {reshard}."
             )
             raise ValueError(msg)
-        if self.mp_policy is not None and not isinstance(
-            self.mp_policy, MixedPrecisionPolicy
+        if self.mp_policy is not None and not is_instance_if_loaded(
+            self.mp_policy, "torch.distributed.fsdp", "MixedPrecisionPolicy"
         ):
             msg = (
                 f"{owner}: mp_policy must be a torch.distributed.fsdp."
@@ -131,7 +133,7 @@ def is_fsdp_module(module: nn.Module) -> bool:
     >>> is_fsdp_module(nn.Linear(1, 1))
     False
     """
-    return isinstance(module, FSDPModule)
+    return is_instance_if_loaded(module, "torch.distributed.fsdp", "FSDPModule")
 
 
 def shard_model(
@@ -146,6 +148,10 @@ def shard_model(
     Returns:
         ``model`` itself, now an ``FSDPModule``.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(ctx.device.type, (ctx.num_processes,))
     policy = MixedPrecisionPolicy() if options.mp_policy is None else options.mp_policy
     classes = tuple(options.shard_modules)

@@ -360,6 +360,27 @@ def require_process_group(ctx: DistributedContext, caller: str) -> None:
         raise RuntimeError(msg)
 
 
+def _init_method(kwargs: InitProcessGroupKwargs, environ: Mapping[str, str]) -> str:
+    """The rendezvous: the handler's, else MASTER_ADDR/MASTER_PORT from ``environ``.
+
+    Reading ``os.environ`` itself, torch's ``env://`` also joins the store that
+    torchrun's agent keeps; for any other mapping the address is spelled out.
+    """
+    if kwargs.init_method is not None:
+        return kwargs.init_method
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if missing:
+        msg = (
+            f"build_context: the default rendezvous needs {' and '.join(missing)} in "
+            "the environment; launch with torchrun or pass "
+            "InitProcessGroupKwargs(init_method=...)."
+        )
+        raise ValueError(msg)
+    if environ is os.environ:
+        return "env://"
+    return f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+
+
 def build_context(
     *,
     mixed_precision: MixedPrecision = "no",
@@ -371,8 +392,8 @@ def build_context(
 
     With several processes this sets the current CUDA device (on GPU) and calls
     ``torch.distributed.init_process_group`` with the effective backend, the
-    handler's ``init_method`` (``"env://"`` when ``None``, which reads
-    ``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them) and timeout, unless a
+    handler's ``init_method`` (when ``None``: ``MASTER_ADDR``/``MASTER_PORT`` from
+    ``environ``, through ``"env://"`` for ``os.environ``) and timeout, unless a
     default group with the same world size and rank already exists (it is reused).
     With one process nothing is started. No environment variable is written.
 
@@ -402,16 +423,7 @@ def build_context(
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     backend = ctx.backend or effective_backend(kwargs, ctx.device)
-    init_method = kwargs.init_method or "env://"
-    if init_method == "env://":
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            msg = (
-                f"build_context: init_method 'env://' needs {' and '.join(missing)} in "
-                "the environment; launch with torchrun or pass "
-                "InitProcessGroupKwargs(init_method=...)."
-            )
-            raise ValueError(msg)
+    init_method = _init_method(kwargs, env)
     dist.init_process_group(
         backend,
         init_method=init_method,

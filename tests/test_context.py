@@ -7,6 +7,8 @@ import importlib
 import inspect
 import os
 import pkgutil
+import re
+import socket
 import subprocess
 import sys
 import types
@@ -310,13 +312,15 @@ def test_build_context_with_one_process_starts_nothing() -> None:
     assert not dist.is_initialized()
 
 
-def test_build_context_needs_a_rendezvous_address_for_env_init(
+def test_build_context_reads_the_rendezvous_address_from_the_given_mapping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    with pytest.raises(ValueError, match=r"needs MASTER_ADDR and MASTER_PORT"):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h"}
+    with pytest.raises(
+        ValueError, match=r"build_context: the default rendezvous needs MASTER_PORT"
+    ):
         build_context(environ=environ, cpu=True)
     assert not dist.is_initialized()
 
@@ -388,6 +392,36 @@ def test_build_context_starts_and_closes_a_real_group(tmp_path: Path) -> None:
         assert result["env_unchanged"] is True
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _build_from_mapping(rank: int, world_size: int, tmp_path: Path, port: int) -> float:
+    environ = {
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    del tmp_path  # the rendezvous is the TCP address in the mapping
+    ctx = build_context(environ=environ, cpu=True)
+    try:
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value)
+        return float(value.item())
+    finally:
+        close_context(ctx)
+
+
+@pytest.mark.distributed
+def test_build_context_rendezvous_at_the_address_in_the_mapping(tmp_path: Path) -> None:
+    assert run_processes(_build_from_mapping, 2, tmp_path, _free_port()) == [1.0, 1.0]
+
+
 def _context_of_worker(ctx: DistributedContext) -> tuple[int, int, bool, bool]:
     require_process_group(ctx, "test")
     return (
@@ -428,9 +462,16 @@ _IMMUTABLE = (
     Enum,
     timedelta,
     types.MappingProxyType,
+    types.UnionType,
+    re.Pattern,
     torch.dtype,
     torch.device,
 )
+
+
+def _is_frozen_record(value: object) -> bool:
+    params = getattr(type(value), "__dataclass_params__", None)
+    return bool(getattr(params, "frozen", False))
 
 
 def _is_mutable_state(name: str, value: object) -> bool:
@@ -440,7 +481,9 @@ def _is_mutable_state(name: str, value: object) -> bool:
         return False
     if type(value).__module__ in {"typing", "typing_extensions", "__future__"}:
         return False  # TypeVar, ParamSpec, aliases, `from __future__` features
-    return not isinstance(value, _IMMUTABLE)
+    if type(value) is object:
+        return False  # a bare sentinel has no state to change
+    return not (isinstance(value, _IMMUTABLE) or _is_frozen_record(value))
 
 
 def test_no_module_holds_mutable_state() -> None:
