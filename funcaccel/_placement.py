@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from collections.abc import MutableMapping
 from typing import Any
+from typing import Final
 from typing import TypeVar
 from typing import cast
 
@@ -22,6 +23,9 @@ import torch
 __all__ = ["send_to_device"]
 
 _T = TypeVar("_T")
+
+# Leaves that are never moved, recognised by exact type before anything slower.
+_ATOMS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
 
 
 def send_to_device(
@@ -81,12 +85,20 @@ def _send(data: Any, device: torch.device, non_blocking: bool) -> Any:
             return data.to(device, non_blocking=True)
         return data if data.device == device else data.to(device)
     kind = type(data)
-    if kind is tuple:
-        return tuple([_send(item, device, non_blocking) for item in data])
-    if kind is list:
-        return [_send(item, device, non_blocking) for item in data]
+    if kind in _ATOMS:
+        return data
+    if kind is tuple or kind is list:
+        # Atoms are kept inline: a batch may hold thousands of them (ids, strings).
+        items = [
+            item if type(item) in _ATOMS else _send(item, device, non_blocking)
+            for item in data
+        ]
+        return items if kind is list else tuple(items)
     if kind is dict:
-        return {key: _send(value, device, non_blocking) for key, value in data.items()}
+        return {
+            key: value if type(value) in _ATOMS else _send(value, device, non_blocking)
+            for key, value in data.items()
+        }
     mover = getattr(data, "to", None)
     if callable(mover):
         return _call_to(mover, device, non_blocking)

@@ -13,8 +13,6 @@ from collections.abc import Sized
 from typing import Any
 from typing import Final
 
-import torch
-
 from funcaccel._comm import sync_rng_states
 from funcaccel._dispatch import dispatch_epoch
 from funcaccel._epoch import IndexedBatches
@@ -22,19 +20,13 @@ from funcaccel._epoch import fetch_batch
 from funcaccel._epoch import skip_items
 from funcaccel._loader_setup import Setup
 from funcaccel._loader_state import Batch
+from funcaccel._loader_state import make_batch
 from funcaccel._placement import _send
 from funcaccel.sharding import shard_batch_sampler
 
-__all__ = ["length", "local_batches", "placed", "records"]
+__all__ = ["length", "local_batches", "open_epoch", "records"]
 
 _END: Final = object()
-
-
-def placed(
-    batches: Iterator[Any], device: torch.device, non_blocking: bool
-) -> Iterator[Any]:
-    for batch in batches:
-        yield _send(batch, device, non_blocking)
 
 
 def _unsized(what: object) -> TypeError:
@@ -102,15 +94,19 @@ def _consume(iterator: Iterator[Any], count: int) -> None:
     next(itertools.islice(iterator, count, count), None)
 
 
-def local_batches(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
-    """Yield this rank's collated batches of ``epoch`` after its first ``skip``."""
+def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
+    """Start ``epoch`` (SPEC §4.2) and return this rank's batch iterator.
+
+    The iterator is the inner ``DataLoader``'s own, positioned after this rank's
+    first ``skip`` batches: for map-style data only indices were skipped; for
+    iterable data the skipped batches were read and dropped.
+    """
     _start_epoch(setup, epoch)
     assert setup.inner is not None  # only dispatch ranks > 0 have none
-    if setup.base is None:  # iterable data: skipped batches are read, then dropped
+    if setup.base is None:
         batches = iter(setup.inner)
         _consume(batches, skip)
-        yield from batches
-        return
+        return batches
     assert setup.slot is not None
     ctx, stream = setup.ctx, setup.base.for_epoch(epoch)
     if ctx.num_processes == 1:
@@ -124,7 +120,24 @@ def local_batches(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
             even_batches=setup.even_batches,
         )
         setup.slot.load_(shard.iter_from(skip))
-    yield from setup.inner
+    return iter(setup.inner)
+
+
+def local_batches(setup: Setup, epoch: int) -> Iterator[Any]:
+    """Yield this rank's batches of ``epoch``: the data only, on the device if asked.
+
+    The epoch starts when the first batch is asked for.
+    """
+    batches = open_epoch(setup, epoch, 0)
+    device = setup.ctx.device if setup.put_on_device else None
+    non_blocking = setup.non_blocking
+    if setup.counted:
+        batches = (data for data, _ in batches)
+    if device is None:
+        yield from batches
+        return
+    for batch in batches:
+        yield _send(batch, device, non_blocking)
 
 
 def _dispatch_base(
@@ -155,34 +168,30 @@ def _dispatch_base(
 
 
 def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    """Yield the ``Batch`` records of ``epoch`` after this rank's first ``skip``."""
     if setup.dispatch:
         yield from _dispatched_records(setup, epoch, skip)
         return
-    total = setup.total_batch_size
-    n = None if setup.counted else _epoch_samples(setup)
+    total, counted = setup.total_batch_size, setup.counted
+    n = None if counted else _epoch_samples(setup)
     known = not (setup.drop_last or total is None)
     remainder = n % total if known and n is not None and total else -1
     device = setup.ctx.device if setup.put_on_device else None
-    items = local_batches(setup, epoch, skip)
+    non_blocking = setup.non_blocking
+    items = open_epoch(setup, epoch, skip)
+    # One batch ahead, so that the last one is known while it is processed.
     current: Any = next(items, _END)
     index = skip
     while current is not _END:
         following = next(items, _END)
         is_last = following is _END
         data = current
-        if setup.counted:
+        if counted:
             data, seen = current
             remainder = seen % total if is_last and known and total else -1
         if device is not None:
-            data = _send(data, device, setup.non_blocking)
-        yield Batch(
-            data=data,
-            index=index,
-            is_last=is_last,
-            remainder=remainder,
-            epoch=epoch,
-            total_batch_size=total,
-        )
+            data = _send(data, device, non_blocking)
+        yield make_batch(data, index, is_last, remainder, epoch, total)
         index, current = index + 1, following
 
 
@@ -210,14 +219,10 @@ def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
             slice_fn=setup.slice_fn,
         )
     ):
-        yield Batch(
-            data=_send(data, ctx.device, setup.non_blocking),
-            index=skip + offset,
-            is_last=is_last,
-            remainder=rows if is_last else -1,
-            epoch=epoch,
-            total_batch_size=setup.total_batch_size,
-        )
+        data = _send(data, ctx.device, setup.non_blocking)
+        remainder = rows if is_last else -1
+        total = setup.total_batch_size
+        yield make_batch(data, skip + offset, is_last, remainder, epoch, total)
 
 
 def _refetch(setup: Setup, head: list[Any]) -> Callable[[], list[Any]]:

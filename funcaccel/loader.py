@@ -36,7 +36,6 @@ from funcaccel._loader_state import check_count
 from funcaccel._placement import send_to_device
 from funcaccel._stream import length
 from funcaccel._stream import local_batches
-from funcaccel._stream import placed
 from funcaccel._stream import records
 from funcaccel.context import DistributedContext
 
@@ -143,12 +142,7 @@ class ShardedLoader:
         setup = self._setup
         if setup.dispatch:
             return (batch.data for batch in records(setup, self._epoch, 0))
-        batches = local_batches(setup, self._epoch, 0)
-        if setup.counted:
-            batches = (data for data, _ in batches)
-        if not setup.put_on_device:
-            return batches
-        return placed(batches, setup.ctx.device, setup.non_blocking)
+        return local_batches(setup, self._epoch)
 
     def __repr__(self) -> str:
         return (
