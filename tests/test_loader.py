@@ -1252,3 +1252,71 @@ def test_make_batch_builds_the_same_record_as_batch() -> None:
     assert made == built and repr(made) == repr(built) and made.state == built.state
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.index = 5  # type: ignore[misc]
+
+
+ORACLE_GRID = [
+    (n, bs, p, split, even, drop_last, kind)
+    for n in (0, 1, 7, 10, 13)
+    for bs in (1, 2, 4)
+    for p in (2, 3)
+    for split in (False, True)
+    for even in (False, True)
+    for drop_last in (False, True)
+    for kind in ("map", "iterable")
+    if not (split and bs % p) and not (kind == "iterable" and not even)
+]
+
+
+@pytest.mark.parametrize(
+    ("n", "bs", "p", "split", "even", "drop_last", "kind"), ORACLE_GRID
+)
+def test_same_batches_as_accelerate(
+    n: int, bs: int, p: int, split: bool, even: bool, drop_last: bool, kind: str
+) -> None:
+    """Optional: Accelerate 1.15's loaders yield the same batches (SPEC §4)."""
+    oracle = pytest.importorskip("accelerate.data_loader")
+    for rank in range(p):
+        theirs = oracle.prepare_data_loader(
+            DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last),
+            device=torch.device("cpu"),
+            num_processes=p,
+            process_index=rank,
+            split_batches=split,
+            put_on_device=False,
+            even_batches=even,
+            dispatch_batches=False,
+        )
+        ours = shard_loader(
+            ctx_for(p, rank),
+            DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last),
+            split_batches=split,
+            even_batches=even,
+            dispatch_batches=False,
+        )
+        assert [x.tolist() for x in ours] == [x.tolist() for x in theirs]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 42])
+def test_same_shuffled_order_as_accelerate_seedable_sampler(p: int, seed: int) -> None:
+    """Optional: Accelerate 1.15's seedable sampler draws the same epochs."""
+    oracle = pytest.importorskip("accelerate.data_loader")
+    for rank in range(p):
+        theirs = oracle.prepare_data_loader(
+            DataLoader(Indexed(11), batch_size=2, shuffle=True),
+            device=torch.device("cpu"),
+            num_processes=p,
+            process_index=rank,
+            put_on_device=False,
+            use_seedable_sampler=True,
+            data_seed=seed,
+        )
+        ours = shard_loader(
+            ctx_for(p, rank),
+            DataLoader(Indexed(11), batch_size=2, shuffle=True),
+            seed=seed,
+        )
+        for epoch in (0, 1, 2):
+            theirs.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            assert [x.tolist() for x in ours] == [x.tolist() for x in theirs]
