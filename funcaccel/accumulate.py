@@ -380,8 +380,10 @@ def _check_step_args(
     autocast_kwargs: object,
 ) -> None:
     caller = "accumulate_step"
-    _check_ctx(ctx, caller)
-    _check_grad(grad, caller)
+    if not isinstance(ctx, DistributedContext):
+        _check_ctx(ctx, caller)
+    if not isinstance(grad, GradState):
+        _check_grad(grad, caller)
     if not callable(loss_fn):
         msg = (
             f"{caller}: loss_fn must be a callable taking no argument and returning "
@@ -490,12 +492,21 @@ def accumulate_step(
     _check_step_args(
         ctx, grad, loss_fn, end_of_dataloader, scaler, max_grad_norm, autocast_kwargs
     )
-    models = as_tuple_of(model, nn.Module, caller="accumulate_step", name="model")
-    optimizers = as_tuple_of(
-        optimizer, torch.optim.Optimizer, caller="accumulate_step", name="optimizer"
-    )
+    # Fast paths for the usual single model and optimizer (this runs per micro-step).
+    if isinstance(model, nn.Module):
+        models: tuple[nn.Module, ...] = (model,)
+    else:
+        models = as_tuple_of(model, nn.Module, caller="accumulate_step", name="model")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizers: tuple[torch.optim.Optimizer, ...] = (optimizer,)
+    else:
+        optimizers = as_tuple_of(
+            optimizer, torch.optim.Optimizer, caller="accumulate_step", name="optimizer"
+        )
     k = grad.accumulation_steps
-    synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
+    synced = grad.micro_step + 1 == k or (
+        grad.sync_with_dataloader and end_of_dataloader
+    )
     if ctx.num_processes > 1:
         require_process_group(ctx, "accumulate_step")
     if ctx.num_processes > 1 and not synced and not grad.sync_each_batch:

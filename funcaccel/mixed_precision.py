@@ -70,7 +70,10 @@ def as_tuple_of(
     """
     if isinstance(value, kind):
         return (value,)
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    # tuple and list first: cheaper than the Sequence ABC check.
+    if isinstance(value, (tuple, list)) or (
+        isinstance(value, Sequence) and not isinstance(value, str)
+    ):
         items = tuple(value)
         if not items:
             msg = f"{caller}: {name} is an empty sequence; pass at least one {kind.__name__}."

@@ -86,8 +86,9 @@ def _steps_due(
             f"{grad!r} ({type(grad).__name__})."
         )
         raise TypeError(msg)
-    _check_flag(caller, "split_batches", split_batches)
-    _check_flag(caller, "step_with_optimizer", step_with_optimizer)
+    if type(split_batches) is not bool or type(step_with_optimizer) is not bool:
+        _check_flag(caller, "split_batches", split_batches)
+        _check_flag(caller, "step_with_optimizer", step_with_optimizer)
     if not step_with_optimizer:
         return 1
     if not grad.sync_gradients or grad.step_was_skipped:
