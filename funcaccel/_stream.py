@@ -37,6 +37,7 @@ def _unsized(what: object) -> TypeError:
 
 
 def length(setup: Setup) -> int:
+    """Return ``len(loader)``: batches this rank yields per epoch (SPEC §4, §5)."""
     ctx, bs, drop_last = setup.ctx, setup.batch_size, setup.drop_last
     p = ctx.num_processes
     if setup.base is not None:
@@ -151,19 +152,26 @@ def _dispatch_base(
     """
     assert setup.inner is not None
     head_count = len(head)
-    source: Iterator[Any]
     if setup.base is None:
-        source = iter(setup.inner)
-    else:
-        source = iter(setup.base.for_epoch(epoch))
-    if skip:
-        head[:] = itertools.islice(source, head_count)
-        _consume(source, skip - len(head))
-    if setup.base is None:
-        yield from source
+        batches = iter(setup.inner)
+        if skip:
+            head[:] = itertools.islice(batches, head_count)
+            _consume(batches, skip - len(head))
+        yield from batches
         return
     assert setup.slot is not None
-    setup.slot.load_(source)
+    stream = setup.base.for_epoch(epoch)
+    indices: Iterator[Any]
+    if skip and isinstance(stream, (IndexedBatches, list, range)):
+        # A fixed order: take the head from its start, then jump to the rest.
+        head[:] = itertools.islice(iter(stream), head_count)
+        indices = skip_items(stream, skip)
+    else:
+        indices = iter(stream)  # the user's own: one pass, head first
+        if skip:
+            head[:] = itertools.islice(indices, head_count)
+            _consume(indices, skip - len(head))
+    setup.slot.load_(indices)
     yield from setup.inner
 
 
