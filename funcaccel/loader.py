@@ -177,7 +177,20 @@ def shard_loader(
 
     With 2 ranks, 10 samples and ``batch_size=3``: rank 0 yields [0,1,2] [6,7,8],
     rank 1 yields [3,4,5] [9,0,1]; with ``dispatch_batches=True``: rank 0 yields
-    [0,1,2] [6,7] and rank 1 [3,4,5] [8,9].
+    [0,1,2] [6,7] and rank 1 [3,4,5] [8,9]. Sharding needs no process group, so a
+    hand-built context shows any rank's share:
+
+    >>> import torch
+    >>> from funcaccel.context import DistributedType
+    >>> def rank(i):
+    ...     kind = DistributedType.MULTI_CPU
+    ...     return DistributedContext(num_processes=2, process_index=i, distributed_type=kind)
+    >>> data = DataLoader(torch.arange(10), batch_size=3)
+    >>> [[batch.tolist() for batch in shard_loader(rank(i), data)] for i in (0, 1)]
+    [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]
+    >>> loader = shard_loader(rank(0), data)
+    >>> len(loader), loader.total_batch_size
+    (2, 6)
 
     Args:
         ctx: This process's context.
@@ -266,7 +279,19 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
     [0,1] [4,5] [8,9] and rank 1 [2,3] [6,7] [0,1]; the first records' ``state``
     is ``LoaderState(epoch=0, global_batches=1, global_batch_size=4)``. Resuming
     from it on 2 ranks gives [4,5] [8,9] / [6,7] [0,1]; on one process with
-    ``batch_size=2`` it gives [4,5] [6,7] [8,9].
+    ``batch_size=2`` it gives [4,5] [6,7] [8,9]:
+
+    >>> import torch
+    >>> from funcaccel.context import DistributedType
+    >>> two = DistributedContext(num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU)
+    >>> records = list(iter_batches(shard_loader(two, DataLoader(torch.arange(10), batch_size=2))))
+    >>> [(b.data.tolist(), b.is_last, b.remainder) for b in records]
+    [([0, 1], False, 2), ([4, 5], False, 2), ([8, 9], True, 2)]
+    >>> records[0].state
+    LoaderState(epoch=0, global_batches=1, global_batch_size=4)
+    >>> one = shard_loader(DistributedContext(), DataLoader(torch.arange(10), batch_size=2))
+    >>> [b.data.tolist() for b in iter_batches(one, records[0].state)]
+    [[4, 5], [6, 7], [8, 9]]
 
     Args:
         loader: From ``shard_loader``.
