@@ -1,44 +1,36 @@
-"""How a checkpoint lies on disk: numbered directories, atomic commits, tensor files.
+"""The torch objects a checkpoint holds, and how their state reaches the disk.
 
-**Directories.** Checkpoints are ``checkpoint-000001``, ``checkpoint-000002``, ... in
-the run's directory, next to a pointer file ``latest`` naming the newest. A save
-writes into ``.checkpoint-N.tmp``; ``commit`` writes the manifest last, renames the
-directory into place, replaces ``latest`` atomically and only then deletes old
-checkpoints, so a process killed at any moment leaves ``latest`` naming a complete
-checkpoint.
-
-**Tensors.** Two formats, chosen by ``choose_format`` from the models being saved:
+``check_state_objects`` validates what a caller passes to save or load (models,
+optimizers, schedulers, scaler, other ``Stateful`` objects) into a ``StateObjects``
+value. Their tensors are stored in one of two formats, chosen by ``choose_format``:
 
 - ``"torch"`` (one process, or DDP, where every rank holds the whole model): rank 0
-  writes each (unwrapped) model's, optimizer's, scheduler's and the scaler's
-  ``state_dict()`` to its own file with ``torch.save``; every rank reads them back
-  with ``torch.load(..., weights_only=True)``.
+  writes each (unwrapped) model's and optimizer's ``state_dict()`` to its own file
+  with ``torch.save``; every rank reads them back with
+  ``torch.load(..., weights_only=True)`` onto the CPU.
 - ``"dcp"`` (any model sharded by FSDP2): models and optimizers go through
   ``torch.distributed.checkpoint``; each rank writes its own shards, and DCP
   reshards on load, so a checkpoint written on 2 processes loads on 1 or 3.
 
-Every file written here is flushed and ``fsync``-ed before the caller renames the
-checkpoint into place.
+Schedulers, the scaler and other objects are always whole files from rank 0, and
+each rank writes its own RNG file. Every file is fsynced after writing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
-import pickle
-import re
-import shutil
+import dataclasses
 import warnings
-import zipfile
 from collections.abc import Iterator
+from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from typing import Final
 from typing import Literal
+from typing import Protocol
 from typing import TypeAlias
+from typing import TypeVar
+from typing import runtime_checkable
 
 import torch
 from torch import nn
@@ -52,122 +44,130 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from funcaccel import _layout
 from funcaccel._fsdp import is_fsdp_module
+from funcaccel._manifest import FileEntry
+from funcaccel._rng import capture_rng_state
 from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
 from funcaccel.model import unwrap_model
 
 __all__ = [
-    "LATEST_NAME",
-    "MANIFEST_NAME",
     "StateFormat",
-    "checkpoint_dirs",
+    "StateObjects",
+    "Stateful",
+    "check_state_objects",
     "choose_format",
-    "commit",
-    "file_sizes",
-    "fsync_directory",
     "load_sharded",
+    "load_state_file",
+    "load_state_objects",
     "pair_optimizers",
-    "prepare",
-    "read_torch_file",
     "save_sharded",
-    "sha256_of",
-    "temporary_dir",
-    "write_torch_file",
+    "write_state_files",
 ]
 
 StateFormat: TypeAlias = Literal["torch", "dcp"]
-MANIFEST_NAME: Final = "manifest.json"
-LATEST_NAME: Final = "latest"
-_NAME_RE: Final = re.compile(r"checkpoint-(\d+)")
-_CHUNK: Final = 1 << 20
+T = TypeVar("T")
 
 
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """Return the numbered checkpoint directories in ``root``, complete or not, in order.
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything checkpointed through ``state_dict()`` / ``load_state_dict(state)``.
 
-    Hidden temporary directories (``.checkpoint-N.tmp``) are not included.
+    Torch's optimizers, schedulers and ``GradScaler`` take a ``dict`` (not any
+    mapping), so the argument is typed loosely.
     """
-    if not root.is_dir():
-        return []
-    found: list[tuple[int, Path]] = []
-    for path in root.iterdir():
-        match = _NAME_RE.fullmatch(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
-def temporary_dir(root: Path, name: str) -> Path:
-    """Return where checkpoint ``name`` is written before it is committed."""
-    return root / f".{name}.tmp"
+def _as_tuple(
+    value: object, kind: type[T], what: str, name: str, caller: str
+) -> tuple[T, ...]:
+    if isinstance(value, kind):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = tuple(value)
+        if all(isinstance(item, kind) for item in items):
+            return items
+    msg = (
+        f"{caller}: {name} must be {what} or a sequence of them; got {value!r} "
+        f"({type(value).__name__})."
+    )
+    raise TypeError(msg)
 
 
-def prepare(root: Path) -> str:
-    """Create ``root`` and an empty temporary directory for the next checkpoint.
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateObjects:
+    """The torch objects a caller passes to save or load, validated, as tuples."""
 
-    Run on rank 0 only. A temporary directory left by a save that was killed is
-    deleted first (it was never complete).
+    models: tuple[nn.Module, ...]
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    schedulers: tuple[Stateful, ...]
+    scaler: torch.amp.GradScaler | None
+    named: dict[str, Stateful]
 
-    Returns:
-        The new checkpoint's name, one past the highest number in ``root``.
+
+def check_state_objects(
+    ctx: object,
+    caller: str,
+    models: object,
+    optimizers: object,
+    schedulers: object,
+    scaler: object,
+    objects: object,
+) -> StateObjects:
+    """Validate what ``caller`` was given (and its process group) into a record.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an ``objects`` key that cannot name a file.
+        RuntimeError: ``ctx`` has several processes and no matching default group.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    existing = checkpoint_dirs(root)
-    number = int(existing[-1].name.split("-")[1]) + 1 if existing else 1
-    name = f"checkpoint-{number:06d}"
-    temporary = temporary_dir(root, name)
-    if temporary.exists():
-        shutil.rmtree(temporary)
-    temporary.mkdir()
-    return name
-
-
-def file_sizes(directory: Path) -> dict[str, int]:
-    """Return ``{name: size}`` for the files directly in ``directory`` (fsyncs it)."""
-    sizes = {
-        p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()
-    }
-    fsync_directory(directory)
-    return sizes
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with path.open("w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def commit(
-    root: Path, name: str, manifest: dict[str, object], *, keep_last: int | None
-) -> None:
-    """Make checkpoint ``name`` complete and current; run on rank 0 after all wrote.
-
-    In order: write ``manifest.json`` into the temporary directory, rename it to
-    ``root/name``, replace ``root/latest``, then delete other temporary directories
-    and all but the newest ``keep_last`` checkpoints (``None``: keep all). Each step
-    is fsynced before the next, so a crash leaves ``latest`` naming a complete one.
-    """
-    temporary = temporary_dir(root, name)
-    _write_synced(temporary / MANIFEST_NAME, json.dumps(manifest, indent=1))
-    fsync_directory(temporary)
-    os.rename(temporary, root / name)
-    fsync_directory(root)
-    pending = root / f".{LATEST_NAME}.tmp"
-    _write_synced(pending, name + "\n")
-    os.replace(pending, root / LATEST_NAME)
-    fsync_directory(root)
-    for path in root.iterdir():
-        if path.name.startswith(".checkpoint-") and path.name.endswith(".tmp"):
-            shutil.rmtree(path)
-    if keep_last is not None:
-        complete = [p for p in checkpoint_dirs(root) if (p / MANIFEST_NAME).is_file()]
-        for old in complete[:-keep_last]:
-            # Renamed first, so that a crash never leaves it half-deleted under a
-            # name that looks complete.
-            doomed = root / f".{old.name}.deleting.tmp"
-            os.rename(old, doomed)
-            shutil.rmtree(doomed)
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"({type(ctx).__name__}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        msg = (
+            f"{caller}: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
+        )
+        raise TypeError(msg)
+    if objects is not None and not isinstance(objects, Mapping):
+        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {objects!r}."
+        raise TypeError(msg)
+    named = dict(objects or {})
+    for key, value in named.items():
+        if not isinstance(key, str) or not key.replace("_", "").isalnum():
+            msg = f"{caller}: objects keys name files and must be letters, digits and '_'; got {key!r}."
+            raise ValueError(msg)
+        if not isinstance(value, Stateful):
+            msg = f"{caller}: objects[{key!r}] needs state_dict()/load_state_dict(); got {type(value).__name__}."
+            raise TypeError(msg)
+    require_process_group(ctx, caller)
+    return StateObjects(
+        _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
+        _as_tuple(
+            optimizers,
+            torch.optim.Optimizer,
+            "a torch.optim.Optimizer",
+            "optimizers",
+            caller,
+        ),
+        _as_tuple(
+            schedulers,
+            Stateful,  # type: ignore[type-abstract]
+            "an object with state_dict()/load_state_dict()",
+            "schedulers",
+            caller,
+        ),
+        scaler,
+        named,
+    )
 
 
 def choose_format(models: Sequence[nn.Module]) -> StateFormat:
@@ -177,67 +177,6 @@ def choose_format(models: Sequence[nn.Module]) -> StateFormat:
     'torch'
     """
     return "dcp" if any(is_fsdp_module(unwrap_model(m)) for m in models) else "torch"
-
-
-def sha256_of(path: Path) -> str:
-    """Return the hex SHA-256 of the file at ``path``."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fsync_directory(path: Path) -> None:
-    """Flush ``path``'s directory entries (new or renamed names) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_torch_file(obj: object, path: Path) -> tuple[int, str]:
-    """Write ``obj`` with ``torch.save`` to a new file and ``fsync`` it.
-
-    Returns:
-        The file's size in bytes and its hex SHA-256.
-    """
-    with path.open("xb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
-    return path.stat().st_size, sha256_of(path)
-
-
-def read_torch_file(path: Path, *, caller: str) -> Any:
-    """Read a file written by ``write_torch_file`` onto the CPU, weights only.
-
-    Raises:
-        ValueError: the file is missing, truncated or not a weights-only torch file;
-            the message names the file.
-    """
-    if not path.is_file():
-        msg = (
-            f"{caller}: {path} is missing; the checkpoint is incomplete. Load an "
-            "earlier one (see list_checkpoints)."
-        )
-        raise ValueError(msg)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (
-        RuntimeError,
-        EOFError,
-        zipfile.BadZipFile,
-        pickle.UnpicklingError,
-    ) as error:
-        msg = (
-            f"{caller}: {path} cannot be read ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else 'no detail'}); the file "
-            "is truncated or damaged. Load an earlier checkpoint (see "
-            "list_checkpoints)."
-        )
-        raise ValueError(msg) from error
 
 
 def pair_optimizers(
@@ -353,3 +292,95 @@ def load_sharded(
         set_model_state_dict(model, state[f"model_{index}"])
     for index, (optimizer, owner) in enumerate(zip(optimizers, pairs, strict=True)):
         set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{index}"])
+
+
+def write_state_files(
+    ctx: DistributedContext,
+    temporary: Path,
+    objs: StateObjects,
+    *,
+    rng: bool,
+    whole: bool,
+) -> dict[str, FileEntry]:
+    """Write this rank's files of a checkpoint into ``temporary``.
+
+    Every rank writes its RNG file (with ``rng``); rank 0 writes the schedulers,
+    scaler and named objects, and with ``whole`` the unwrapped models and the
+    optimizers (replicated under DDP, so one copy suffices).
+
+    Returns:
+        The manifest entries of the files written, by name.
+    """
+    entries: dict[str, FileEntry] = {}
+
+    def write(name: str, obj: object) -> None:
+        size, digest = _layout.write_torch_file(obj, temporary / name)
+        entries[name] = FileEntry(size=size, sha256=digest)
+
+    if rng:
+        write(f"rng_rank_{ctx.process_index}.pt", capture_rng_state())
+    if not ctx.is_main_process:
+        return entries
+    if whole:
+        for index, model in enumerate(objs.models):
+            write(f"model_{index}.pt", unwrap_model(model).state_dict())
+        for index, optimizer in enumerate(objs.optimizers):
+            write(f"optimizer_{index}.pt", optimizer.state_dict())
+    for index, scheduler in enumerate(objs.schedulers):
+        write(f"scheduler_{index}.pt", scheduler.state_dict())
+    if objs.scaler is not None:
+        write("scaler.pt", objs.scaler.state_dict())
+    for key, value in objs.named.items():
+        write(f"object_{key}.pt", value.state_dict())
+    return entries
+
+
+def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> None:
+    """Load ``target`` in place from ``file``; ``what`` names it in errors.
+
+    Raises:
+        ValueError: the file is unreadable or its state does not fit ``target``.
+    """
+    state = _layout.read_torch_file(file, caller=caller)
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        msg = (
+            f"{caller}: {file} does not fit {what} ({type(error).__name__}: {first}); "
+            f"pass the same {what.split('[')[0]} as when the checkpoint was saved."
+        )
+        raise ValueError(msg) from error
+
+
+def load_state_objects(
+    ctx: DistributedContext,
+    root: Path,
+    objs: StateObjects,
+    *,
+    state_format: StateFormat,
+    caller: str,
+) -> None:
+    """Load every object of ``objs`` in place from the checkpoint in ``root``.
+
+    Collective for the ``"dcp"`` format. Models are loaded unwrapped.
+
+    Raises:
+        ValueError: a file is unreadable or does not fit its object.
+    """
+    if state_format == "dcp":
+        load_sharded(ctx, root / "dcp", objs.models, objs.optimizers, caller=caller)
+    else:
+        for index, model in enumerate(objs.models):
+            path, what = root / f"model_{index}.pt", f"models[{index}]"
+            load_state_file(unwrap_model(model), path, what, caller)
+        for index, optimizer in enumerate(objs.optimizers):
+            path, what = root / f"optimizer_{index}.pt", f"optimizers[{index}]"
+            load_state_file(optimizer, path, what, caller)
+    for index, scheduler in enumerate(objs.schedulers):
+        path, what = root / f"scheduler_{index}.pt", f"schedulers[{index}]"
+        load_state_file(scheduler, path, what, caller)
+    if objs.scaler is not None:
+        load_state_file(objs.scaler, root / "scaler.pt", "scaler", caller)
+    for key, value in objs.named.items():
+        load_state_file(value, root / f"object_{key}.pt", f"objects[{key!r}]", caller)

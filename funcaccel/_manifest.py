@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Final
 from typing import Literal
 from typing import TypeVar
 
-from funcaccel import _dcp
+from funcaccel import _layout
 from funcaccel.accumulate import GradState
 from funcaccel.loader import LoaderState
 
@@ -33,8 +32,6 @@ __all__ = [
     "CheckpointMeta",
     "FileEntry",
     "check_json_value",
-    "latest_checkpoint",
-    "list_checkpoints",
     "read_manifest",
 ]
 
@@ -265,59 +262,20 @@ def _file_entry(name: object, value: object) -> FileEntry:
     return FileEntry(size=value["size"], sha256=value["sha256"])
 
 
-def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """Return the complete checkpoints in ``directory``, oldest first.
-
-    Complete means its ``manifest.json`` exists (it is written last, before the
-    directory gets its final name). Temporary directories of an interrupted save are
-    ignored; a missing ``directory`` has none.
-    """
-    return [
-        path
-        for path in _dcp.checkpoint_dirs(Path(directory))
-        if (path / _dcp.MANIFEST_NAME).is_file()
-    ]
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """Return the checkpoint ``directory/latest`` names, or ``None`` before the first.
-
-    Without a ``latest`` file (deleted by hand) the newest complete checkpoint is
-    returned.
-
-    Raises:
-        ValueError: ``latest`` names something that is not a complete checkpoint.
-    """
-    root = Path(directory)
-    pointer = root / _dcp.LATEST_NAME
-    complete = list_checkpoints(root)
-    if not pointer.is_file():
-        return complete[-1] if complete else None
-    name = pointer.read_text(encoding="utf-8").strip()
-    if root / name not in complete:
-        msg = (
-            f"latest_checkpoint: {pointer} names {name!r}, which is not a complete "
-            f"checkpoint in {root}; delete {pointer} to use the newest complete one "
-            f"({complete[-1].name if complete else 'there is none'})."
-        )
-        raise ValueError(msg)
-    return root / name
-
-
 def _file_problem(file: Path, entry: FileEntry, *, verify: bool) -> str | None:
     if not file.is_file():
         return "is missing"
     size = file.stat().st_size
     if size != entry.size:
         return f"has {size} bytes but the manifest records {entry.size} (truncated?)"
-    if verify and entry.sha256 is not None and _dcp.sha256_of(file) != entry.sha256:
+    if verify and entry.sha256 is not None and _layout.sha256_of(file) != entry.sha256:
         return "does not match the SHA-256 the manifest records"
     return None
 
 
 def read_manifest(root: Path, *, verify: bool, caller: str) -> CheckpointMeta:
     """Read ``root``'s manifest and check the files it lists (see ``read_checkpoint_meta``)."""
-    manifest = root / _dcp.MANIFEST_NAME
+    manifest = root / _layout.MANIFEST_NAME
     if not manifest.is_file():
         msg = (
             f"{caller}: {manifest} is missing, so {root} is not a complete checkpoint "

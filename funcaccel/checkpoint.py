@@ -19,12 +19,10 @@ With FSDP2 models (``"dcp"`` format) models and optimizers live in ``dcp/``
 instead, sharded by ``torch.distributed.checkpoint`` so that a checkpoint written on
 2 processes loads on 1 or 3. ``directory`` must be shared by all ranks.
 
-**Atomicity.** Every rank writes into ``directory/.checkpoint-N.tmp`` and fsyncs;
-after all ranks report success, rank 0 writes ``manifest.json``, renames the
-directory to ``checkpoint-N`` and then replaces the pointer file ``latest``
-(write, fsync, ``os.replace``). Only after that are checkpoints beyond
-``keep_last`` and leftover temporary directories deleted. A process killed at any
-moment therefore leaves ``latest`` naming a complete checkpoint.
+**Atomicity.** Every rank writes into ``directory/.checkpoint-N.tmp``; once all
+succeeded, rank 0 writes ``manifest.json`` last, renames the directory into place
+and only then moves ``latest`` and deletes checkpoints beyond ``keep_last``, so a
+process killed at any moment leaves ``latest`` naming a complete checkpoint.
 
 **Accumulation windows.** Gradients of an open accumulation window are not part of
 a checkpoint (SPEC §6), so ``save_checkpoint`` refuses a ``GradState`` with
@@ -39,28 +37,26 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from typing import Protocol
 from typing import TypeVar
-from typing import runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from funcaccel import _dcp
+from funcaccel import _layout
+from funcaccel._dcp import Stateful
 from funcaccel._fsdp import is_fsdp_module
+from funcaccel._layout import latest_checkpoint
+from funcaccel._layout import list_checkpoints
 from funcaccel._manifest import SCHEMA_VERSION
 from funcaccel._manifest import CheckpointMeta
 from funcaccel._manifest import FileEntry
 from funcaccel._manifest import check_json_value
-from funcaccel._manifest import latest_checkpoint
-from funcaccel._manifest import list_checkpoints
 from funcaccel._manifest import read_manifest
-from funcaccel._rng import capture_rng_state
 from funcaccel._rng import restore_rng_state
 from funcaccel.accumulate import GradState
 from funcaccel.context import DistributedContext
-from funcaccel.context import require_process_group
 from funcaccel.loader import LoaderState
 from funcaccel.model import unwrap_model
 
@@ -78,19 +74,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything checkpointed through ``state_dict()`` / ``load_state_dict(state)``.
-
-    Torch's optimizers, schedulers and ``GradScaler`` take a ``dict`` (not any
-    mapping), so the argument is typed loosely.
-    """
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,89 +102,10 @@ class LoadedState:
         return self.meta.loader
 
     @property
-    def extra(self) -> Mapping[str, Any]:
-        """The saved user metadata."""
-        return self.meta.extra
-
-
-def _as_tuple(
-    value: object, kind: type[T], what: str, name: str, caller: str
-) -> tuple[T, ...]:
-    if isinstance(value, kind):
-        return (value,)
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        items = tuple(value)
-        if all(isinstance(item, kind) for item in items):
-            return items
-    msg = (
-        f"{caller}: {name} must be {what} or a sequence of them; got {value!r} "
-        f"({type(value).__name__})."
-    )
-    raise TypeError(msg)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Objects:
-    """The torch objects a caller passes to save or load, validated, as tuples."""
-
-    models: tuple[nn.Module, ...]
-    optimizers: tuple[torch.optim.Optimizer, ...]
-    schedulers: tuple[Stateful, ...]
-    scaler: torch.amp.GradScaler | None
-    named: dict[str, Stateful]
-
-
-def _check_call(
-    ctx: object,
-    caller: str,
-    models: object,
-    optimizers: object,
-    schedulers: object,
-    scaler: object,
-    objects: object,
-) -> _Objects:
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
-            f"({type(ctx).__name__}). Build one with build_context()."
-        )
-        raise TypeError(msg)
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        msg = (
-            f"{caller}: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
-        )
-        raise TypeError(msg)
-    if objects is not None and not isinstance(objects, Mapping):
-        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {objects!r}."
-        raise TypeError(msg)
-    named = dict(objects or {})
-    for key, value in named.items():
-        if not isinstance(key, str) or not key.replace("_", "").isalnum():
-            msg = f"{caller}: objects keys name files and must be letters, digits and '_'; got {key!r}."
-            raise ValueError(msg)
-        if not isinstance(value, Stateful):
-            msg = f"{caller}: objects[{key!r}] needs state_dict()/load_state_dict(); got {type(value).__name__}."
-            raise TypeError(msg)
-    require_process_group(ctx, caller)
-    return _Objects(
-        _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
-        _as_tuple(
-            optimizers,
-            torch.optim.Optimizer,
-            "a torch.optim.Optimizer",
-            "optimizers",
-            caller,
-        ),
-        _as_tuple(
-            schedulers,
-            Stateful,  # type: ignore[type-abstract]
-            "an object with state_dict()/load_state_dict()",
-            "schedulers",
-            caller,
-        ),
-        scaler,
-        named,
-    )
+    def extra(self) -> dict[str, Any]:
+        """The saved user metadata (a new copy)."""
+        copied: dict[str, Any] = check_json_value(self.meta.extra, "extra", "extra")
+        return copied
 
 
 def _all_gather(ctx: DistributedContext, value: T) -> list[T]:
@@ -263,33 +167,6 @@ def _check_save_values(
     return copied
 
 
-def _write_rank_files(
-    ctx: DistributedContext, temporary: Path, objs: _Objects, *, rng: bool, whole: bool
-) -> dict[str, FileEntry]:
-    entries: dict[str, FileEntry] = {}
-
-    def write(name: str, obj: object) -> None:
-        size, digest = _dcp.write_torch_file(obj, temporary / name)
-        entries[name] = FileEntry(size=size, sha256=digest)
-
-    if rng:
-        write(f"rng_rank_{ctx.process_index}.pt", capture_rng_state())
-    if not ctx.is_main_process:
-        return entries
-    if whole:  # replicated (DDP) or single-process state: rank 0 holds all of it
-        for index, model in enumerate(objs.models):
-            write(f"model_{index}.pt", unwrap_model(model).state_dict())
-        for index, optimizer in enumerate(objs.optimizers):
-            write(f"optimizer_{index}.pt", optimizer.state_dict())
-    for index, scheduler in enumerate(objs.schedulers):
-        write(f"scheduler_{index}.pt", scheduler.state_dict())
-    if objs.scaler is not None:
-        write("scaler.pt", objs.scaler.state_dict())
-    for key, value in objs.named.items():
-        write(f"object_{key}.pt", value.state_dict())
-    return entries
-
-
 def save_checkpoint(
     ctx: DistributedContext,
     directory: str | os.PathLike[str],
@@ -341,7 +218,9 @@ def save_checkpoint(
             checkpoint stays current), or no process group matching ``ctx``.
     """
     caller = "save_checkpoint"
-    objs = _check_call(ctx, caller, models, optimizers, schedulers, scaler, objects)
+    objs = _dcp.check_state_objects(
+        ctx, caller, models, optimizers, schedulers, scaler, objects
+    )
     extra_dict = _check_save_values(caller, grad, loader, extra, keep_last)
     if type(save_rng) is not bool:
         msg = f"{caller}: save_rng must be a bool; got {save_rng!r}."
@@ -353,17 +232,17 @@ def save_checkpoint(
     name, error = "", None
     if ctx.is_main_process:
         try:
-            name = _dcp.prepare(root)
+            name = _layout.prepare(root)
         except OSError as failure:
             error = f"cannot create a checkpoint in {root}: {failure}"
     failed = "the checkpoint was not written"
     name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
     _raise_failures([error], failed, caller)
-    temporary = _dcp.temporary_dir(root, name)
+    temporary = _layout.temporary_dir(root, name)
     entries: dict[str, FileEntry] = {}
     error = None
     try:
-        entries = _write_rank_files(
+        entries = _dcp.write_state_files(
             ctx, temporary, objs, rng=save_rng, whole=state_format == "torch"
         )
     except (OSError, RuntimeError) as failure:
@@ -377,7 +256,7 @@ def save_checkpoint(
     if ctx.is_main_process:
         files = {k: v for rank_entries, _ in gathered for k, v in rank_entries.items()}
         if state_format == "dcp":
-            for key, size in _dcp.file_sizes(temporary / "dcp").items():
+            for key, size in _layout.file_sizes(temporary / "dcp").items():
                 files[f"dcp/{key}"] = FileEntry(size=size)
         meta = CheckpointMeta(
             world_size=ctx.num_processes,
@@ -394,7 +273,7 @@ def save_checkpoint(
             files=files,
         )
         try:
-            _dcp.commit(root, name, meta.to_dict(), keep_last=keep_last)
+            _layout.commit(root, name, meta.to_dict(), keep_last=keep_last)
         except OSError as failure:
             error = f"committing {temporary} failed: {failure}"
     # Also the barrier: no rank returns before the checkpoint is complete.
@@ -402,21 +281,8 @@ def save_checkpoint(
     return root / name
 
 
-def _load_into(target: Stateful, file: Path, what: str, caller: str) -> None:
-    state = _dcp.read_torch_file(file, caller=caller)
-    try:
-        target.load_state_dict(state)
-    except (RuntimeError, ValueError, KeyError, TypeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        msg = (
-            f"{caller}: {file} does not fit {what} ({type(error).__name__}: {first}); "
-            f"pass the same {what.split('[')[0]} as when the checkpoint was saved."
-        )
-        raise ValueError(msg) from error
-
-
 def _check_counts(
-    meta: CheckpointMeta, objs: _Objects, root: Path, caller: str
+    meta: CheckpointMeta, objs: _dcp.StateObjects, root: Path, caller: str
 ) -> None:
     for label, saved, passed in (
         ("models", meta.models, len(objs.models)),
@@ -443,7 +309,12 @@ def _check_counts(
 
 
 def _read_checked(
-    ctx: DistributedContext, root: Path, objs: _Objects, *, verify: bool, caller: str
+    ctx: DistributedContext,
+    root: Path,
+    objs: _dcp.StateObjects,
+    *,
+    verify: bool,
+    caller: str,
 ) -> CheckpointMeta:
     error: ValueError | None = None
     meta: CheckpointMeta | None = None
@@ -500,44 +371,22 @@ def load_checkpoint(
         RuntimeError: another rank failed to read it, or no matching group.
     """
     caller = "load_checkpoint"
-    objs = _check_call(ctx, caller, models, optimizers, schedulers, scaler, objects)
+    objs = _dcp.check_state_objects(
+        ctx, caller, models, optimizers, schedulers, scaler, objects
+    )
     for flag, given in (("restore_rng", restore_rng), ("verify", verify)):
         if type(given) is not bool:
             msg = f"{caller}: {flag} must be a bool; got {given!r}."
             raise TypeError(msg)
     root = Path(path)
     meta = _read_checked(ctx, root, objs, verify=verify, caller=caller)
-    if meta.state_format == "dcp":
-        _dcp.load_sharded(
-            ctx, root / "dcp", objs.models, objs.optimizers, caller=caller
-        )
-    else:
-        for index, model in enumerate(objs.models):
-            _load_into(
-                unwrap_model(model),
-                root / f"model_{index}.pt",
-                f"models[{index}]",
-                caller,
-            )
-        for index, optimizer in enumerate(objs.optimizers):
-            _load_into(
-                optimizer,
-                root / f"optimizer_{index}.pt",
-                f"optimizers[{index}]",
-                caller,
-            )
-    for index, scheduler in enumerate(objs.schedulers):
-        _load_into(
-            scheduler, root / f"scheduler_{index}.pt", f"schedulers[{index}]", caller
-        )
-    if objs.scaler is not None:
-        _load_into(objs.scaler, root / "scaler.pt", "scaler", caller)
-    for key, value in objs.named.items():
-        _load_into(value, root / f"object_{key}.pt", f"objects[{key!r}]", caller)
+    _dcp.load_state_objects(
+        ctx, root, objs, state_format=meta.state_format, caller=caller
+    )
     restored: tuple[str, ...] = ()
     rng_file = f"rng_rank_{ctx.process_index}.pt"
     if restore_rng and rng_file in meta.files:
-        state = _dcp.read_torch_file(root / rng_file, caller=caller)
+        state = _layout.read_torch_file(root / rng_file, caller=caller)
         if not isinstance(state, dict):
             msg = f"{caller}: {root / rng_file} does not hold an RNG state dict; the file is damaged."
             raise ValueError(msg)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import ProcessExitedException
 
-import funcaccel._dcp
+import funcaccel._layout
 from funcaccel._rng import capture_rng_state
 from funcaccel._rng import restore_rng_state
 from funcaccel.accumulate import GradState
@@ -250,7 +250,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path) -> None:
     )
     for name, entry in meta.files.items():
         assert entry.size == (path / name).stat().st_size
-        assert entry.sha256 == funcaccel._dcp.sha256_of(path / name)
+        assert entry.sha256 == funcaccel._layout.sha256_of(path / name)
 
 
 # --- one process: refused input ----------------------------------------------------
@@ -401,7 +401,7 @@ def _save_then_die(rank: int, world: int, tmp: Path, root: Path, point: str) -> 
     del rank, world, tmp  # one process, no group
     save_checkpoint(ONE, root, models=_Net(), extra={"which": "first"})
     if point == "file":
-        original = funcaccel._dcp.write_torch_file
+        original = funcaccel._layout.write_torch_file
 
         def dying_write(obj: object, path: Path) -> tuple[int, str]:
             original(obj, path)
@@ -409,7 +409,7 @@ def _save_then_die(rank: int, world: int, tmp: Path, root: Path, point: str) -> 
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        funcaccel._dcp.write_torch_file = dying_write
+        funcaccel._layout.write_torch_file = dying_write
     else:
         name = "rename" if point == "rename" else "replace"
 
@@ -417,7 +417,8 @@ def _save_then_die(rank: int, world: int, tmp: Path, root: Path, point: str) -> 
             os.kill(os.getpid(), signal.SIGKILL)
 
         setattr(os, name, die)
-    save_checkpoint(ONE, root, models=_Net(), extra={"which": "second"})
+    # keep_last=1 would delete checkpoint 1, but only once checkpoint 2 is current.
+    save_checkpoint(ONE, root, models=_Net(), extra={"which": "second"}, keep_last=1)
 
 
 @pytest.mark.distributed

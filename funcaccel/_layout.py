@@ -1,0 +1,238 @@
+"""Where checkpoints lie in a run's directory, and how one becomes complete atomically.
+
+Checkpoints are ``checkpoint-000001``, ``checkpoint-000002``, ... in the run's
+directory, next to a pointer file ``latest`` naming the newest. A save writes into
+``.checkpoint-N.tmp``; ``commit`` writes ``manifest.json`` last, renames the
+directory into place, replaces ``latest`` atomically and only then deletes old
+checkpoints and leftover temporary directories, each step fsynced before the next.
+A process killed at any moment therefore leaves ``latest`` naming a complete
+checkpoint, and every name that looks complete is. Files are written with
+``torch.save`` and fsynced, and read back with ``torch.load(weights_only=True)``.
+
+>>> checkpoint_dirs(Path("/nonexistent")), latest_checkpoint("/nonexistent")
+([], None)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+from typing import Final
+
+import torch
+
+__all__ = [
+    "LATEST_NAME",
+    "MANIFEST_NAME",
+    "checkpoint_dirs",
+    "commit",
+    "file_sizes",
+    "fsync_directory",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "prepare",
+    "read_torch_file",
+    "sha256_of",
+    "temporary_dir",
+    "write_torch_file",
+]
+
+MANIFEST_NAME: Final = "manifest.json"
+LATEST_NAME: Final = "latest"
+_NAME_RE: Final = re.compile(r"checkpoint-(\d+)")
+_CHUNK: Final = 1 << 20
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """Return the numbered checkpoint directories in ``root``, complete or not, in order.
+
+    Hidden temporary directories (``.checkpoint-N.tmp``) are not included.
+    """
+    if not root.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    for path in root.iterdir():
+        match = _NAME_RE.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def temporary_dir(root: Path, name: str) -> Path:
+    """Return where checkpoint ``name`` is written before it is committed."""
+    return root / f".{name}.tmp"
+
+
+def prepare(root: Path) -> str:
+    """Create ``root`` and an empty temporary directory for the next checkpoint.
+
+    Run on rank 0 only. A temporary directory left by a save that was killed is
+    deleted first (it was never complete).
+
+    Returns:
+        The new checkpoint's name, one past the highest number in ``root``.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    existing = checkpoint_dirs(root)
+    number = int(existing[-1].name.split("-")[1]) + 1 if existing else 1
+    name = f"checkpoint-{number:06d}"
+    temporary = temporary_dir(root, name)
+    if temporary.exists():
+        shutil.rmtree(temporary)
+    temporary.mkdir()
+    return name
+
+
+def file_sizes(directory: Path) -> dict[str, int]:
+    """Return ``{name: size}`` for the files directly in ``directory`` (fsyncs it)."""
+    sizes = {
+        p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()
+    }
+    fsync_directory(directory)
+    return sizes
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def commit(
+    root: Path, name: str, manifest: dict[str, object], *, keep_last: int | None
+) -> None:
+    """Make checkpoint ``name`` complete and current; run on rank 0 after all wrote.
+
+    In order: write ``manifest.json`` into the temporary directory, rename it to
+    ``root/name``, replace ``root/latest``, then delete other temporary directories
+    and all but the newest ``keep_last`` checkpoints (``None``: keep all). Each step
+    is fsynced before the next, so a crash leaves ``latest`` naming a complete one.
+    """
+    temporary = temporary_dir(root, name)
+    _write_synced(temporary / MANIFEST_NAME, json.dumps(manifest, indent=1))
+    fsync_directory(temporary)
+    os.rename(temporary, root / name)
+    fsync_directory(root)
+    pending = root / f".{LATEST_NAME}.tmp"
+    _write_synced(pending, name + "\n")
+    os.replace(pending, root / LATEST_NAME)
+    fsync_directory(root)
+    for path in root.iterdir():
+        if path.name.startswith(".checkpoint-") and path.name.endswith(".tmp"):
+            shutil.rmtree(path)
+    if keep_last is not None:
+        complete = [p for p in checkpoint_dirs(root) if (p / MANIFEST_NAME).is_file()]
+        for old in complete[:-keep_last]:
+            # Renamed first, so that a crash never leaves it half-deleted under a
+            # name that looks complete.
+            doomed = root / f".{old.name}.deleting.tmp"
+            os.rename(old, doomed)
+            shutil.rmtree(doomed)
+
+
+def sha256_of(path: Path) -> str:
+    """Return the hex SHA-256 of the file at ``path``."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_directory(path: Path) -> None:
+    """Flush ``path``'s directory entries (new or renamed names) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """Return the complete checkpoints in ``directory``, oldest first.
+
+    Complete means its ``manifest.json`` exists (it is written last, before the
+    directory gets its final name). Temporary directories of an interrupted save are
+    ignored; a missing ``directory`` has none.
+    """
+    return [
+        path
+        for path in checkpoint_dirs(Path(directory))
+        if (path / MANIFEST_NAME).is_file()
+    ]
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """Return the checkpoint ``directory/latest`` names, or ``None`` before the first.
+
+    Without a ``latest`` file (deleted by hand) the newest complete checkpoint is
+    returned.
+
+    Raises:
+        ValueError: ``latest`` names something that is not a complete checkpoint.
+    """
+    root = Path(directory)
+    pointer = root / LATEST_NAME
+    complete = list_checkpoints(root)
+    if not pointer.is_file():
+        return complete[-1] if complete else None
+    name = pointer.read_text(encoding="utf-8").strip()
+    if root / name not in complete:
+        msg = (
+            f"latest_checkpoint: {pointer} names {name!r}, which is not a complete "
+            f"checkpoint in {root}; delete {pointer} to use the newest complete one "
+            f"({complete[-1].name if complete else 'there is none'})."
+        )
+        raise ValueError(msg)
+    return root / name
+
+
+def write_torch_file(obj: object, path: Path) -> tuple[int, str]:
+    """Write ``obj`` with ``torch.save`` to a new file and ``fsync`` it.
+
+    Returns:
+        The file's size in bytes and its hex SHA-256.
+    """
+    with path.open("xb") as file:
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
+    return path.stat().st_size, sha256_of(path)
+
+
+def read_torch_file(path: Path, *, caller: str) -> Any:
+    """Read a file written by ``write_torch_file`` onto the CPU, weights only.
+
+    Raises:
+        ValueError: the file is missing, truncated or not a weights-only torch file;
+            the message names the file.
+    """
+    if not path.is_file():
+        msg = (
+            f"{caller}: {path} is missing; the checkpoint is incomplete. Load an "
+            "earlier one (see list_checkpoints)."
+        )
+        raise ValueError(msg)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+    ) as error:
+        msg = (
+            f"{caller}: {path} cannot be read ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'no detail'}); the file "
+            "is truncated or damaged. Load an earlier checkpoint (see "
+            "list_checkpoints)."
+        )
+        raise ValueError(msg) from error
