@@ -253,6 +253,29 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path) -> None:
         assert entry.sha256 == funcaccel._layout.sha256_of(path / name)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_optimizer_and_rng_round_trip(tmp_path: Path) -> None:
+    device = torch.device("cuda", 0)
+    ctx = DistributedContext(device=device)
+    torch.manual_seed(0)
+    model = _Net().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3, device=device)).square().mean().backward()
+    opt.step()
+    path = save_checkpoint(ctx, tmp_path, models=model, optimizers=opt)
+    expected = torch.rand(2, device=device)
+    fresh = _Net().to(device)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    loaded = load_checkpoint(ctx, path, models=fresh, optimizers=fresh_opt)
+    assert loaded.rng_restored == ("python", "torch", "cuda", "numpy")
+    assert torch.equal(torch.rand(2, device=device), expected)
+    assert all(p.device == device for p in fresh.parameters())
+    state = fresh_opt.state_dict()["state"]
+    assert all(s["exp_avg"].device == device for s in state.values())
+    assert _same_state(fresh.state_dict(), model.state_dict())
+    assert _same_state(fresh_opt.state_dict(), opt.state_dict())
+
+
 # --- one process: refused input ----------------------------------------------------
 
 
