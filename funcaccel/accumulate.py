@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
+from typing import Final
 
 import torch
 from torch import nn
@@ -56,6 +57,10 @@ __all__ = [
     "sync_ctx",
     "window_grad_factor",
 ]
+
+
+_new_object: Final = object.__new__
+_set_field: Final = object.__setattr__
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,6 +207,14 @@ def _check_grad(grad: object, caller: str) -> None:
         raise TypeError(msg)
 
 
+def _check_bool(caller: str, name: str, value: object) -> None:
+    if type(value) is not bool:
+        msg = (
+            f"{caller}: {name} must be a bool; got {value!r} ({type(value).__name__})."
+        )
+        raise TypeError(msg)
+
+
 def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
     """Return whether the next micro-step closes the window (syncs and steps).
 
@@ -217,6 +230,7 @@ def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
     False
     """
     _check_grad(grad, "should_sync")
+    _check_bool("should_sync", "end_of_dataloader", end_of_dataloader)
     if grad.micro_step + 1 == grad.accumulation_steps:
         return True
     return grad.sync_with_dataloader and end_of_dataloader
@@ -282,6 +296,7 @@ def advance_grad_state(
     >>> advance_grad_state(after, end_of_dataloader=True, step_was_skipped=True).optimizer_steps
     1
     """
+    _check_bool("advance_grad_state", "step_was_skipped", step_was_skipped)
     synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if step_was_skipped and not synced:
         msg = (
@@ -294,16 +309,23 @@ def advance_grad_state(
 
 
 def _next_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> GradState:
-    return GradState(
-        accumulation_steps=grad.accumulation_steps,
-        micro_step=0 if synced else grad.micro_step + 1,
-        sync_gradients=synced,
-        end_of_dataloader=end,
-        step_was_skipped=skipped,
-        optimizer_steps=grad.optimizer_steps + (synced and not skipped),
-        sync_with_dataloader=grad.sync_with_dataloader,
-        sync_each_batch=grad.sync_each_batch,
+    # Runs on every micro-step. The fields follow from a valid ``grad`` (micro_step
+    # is 0 exactly when synced, a skip only when synced), so the state is built as
+    # the frozen dataclass's own __init__ builds it, minus the keyword parsing and
+    # __post_init__'s checks; a property test pins it to the validating
+    # constructor.
+    state = _new_object(GradState)
+    _set_field(state, "accumulation_steps", grad.accumulation_steps)
+    _set_field(state, "micro_step", 0 if synced else grad.micro_step + 1)
+    _set_field(state, "sync_gradients", synced)
+    _set_field(state, "end_of_dataloader", end)
+    _set_field(state, "step_was_skipped", skipped)
+    _set_field(
+        state, "optimizer_steps", grad.optimizer_steps + (synced and not skipped)
     )
+    _set_field(state, "sync_with_dataloader", grad.sync_with_dataloader)
+    _set_field(state, "sync_each_batch", grad.sync_each_batch)
+    return state
 
 
 @contextlib.contextmanager
@@ -390,12 +412,7 @@ def _check_step_args(
             f"the micro-batch loss; got {loss_fn!r} ({type(loss_fn).__name__})."
         )
         raise TypeError(msg)
-    if type(end_of_dataloader) is not bool:
-        msg = (
-            f"{caller}: end_of_dataloader must be a bool; got {end_of_dataloader!r} "
-            f"({type(end_of_dataloader).__name__}). Pass batch.is_last."
-        )
-        raise TypeError(msg)
+    _check_bool(caller, "end_of_dataloader", end_of_dataloader)
     if scaler is not None:
         _check_scaler(scaler, caller)
     elif ctx.mixed_precision == "fp16":

@@ -360,6 +360,42 @@ def test_n_micro_steps_give_ceil_n_over_k_syncs_per_epoch(
     assert sum(sizes) == n * epochs
 
 
+@given(grad_states(), st.booleans(), st.booleans())
+def test_advance_builds_the_state_the_validating_constructor_builds(
+    grad: GradState, end: bool, skip: bool
+) -> None:
+    synced = should_sync(grad, end_of_dataloader=end)
+    after = advance_grad_state(
+        grad, end_of_dataloader=end, step_was_skipped=skip and synced
+    )
+    assert after == GradState.from_dict(after.to_dict())  # every field set, and valid
+    assert after == dataclasses.replace(
+        grad,
+        micro_step=0 if synced else grad.micro_step + 1,
+        sync_gradients=synced,
+        end_of_dataloader=end,
+        step_was_skipped=skip and synced,
+        optimizer_steps=grad.optimizer_steps + int(synced and not skip),
+    )
+    assert hash(after) == hash(GradState.from_dict(after.to_dict()))
+
+
+def test_pure_rules_reject_non_bool_flags() -> None:
+    with pytest.raises(
+        TypeError, match=r"should_sync: end_of_dataloader must be a bool; got 1 \(int\)"
+    ):
+        should_sync(GradState(), end_of_dataloader=1)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"advance_grad_state: step_was_skipped must be a bool; got None",
+    ):
+        advance_grad_state(GradState(), step_was_skipped=None)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"should_sync: end_of_dataloader must be a bool; got 'x'"
+    ):
+        advance_grad_state(GradState(), end_of_dataloader="x")  # type: ignore[arg-type]
+
+
 def test_advance_counts_only_applied_updates_and_rejects_impossible_skips() -> None:
     states = _walk(
         GradState(accumulation_steps=1), [False] * 3, skipped=[False, True, False]
@@ -780,7 +816,7 @@ def test_accumulate_step_rejects_bad_input() -> None:
         (lambda: accumulate_step(ONE, grad, net, opt, 3), TypeError,  # type: ignore[arg-type]
          r"accumulate_step: loss_fn must be a callable .*got 3 \(int\)"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, end_of_dataloader=1), TypeError,  # type: ignore[arg-type]
-         r"accumulate_step: end_of_dataloader must be a bool; got 1 \(int\)"),
+         r"accumulate_step: end_of_dataloader must be a bool; got 1 \(int\)\.$"),
         (lambda: accumulate_step(dataclasses.replace(ONE, mixed_precision="fp16"), grad, net, opt, ok), ValueError,
          r"accumulate_step: ctx.mixed_precision is 'fp16' but scaler=None.*build_grad_scaler"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, scaler=1.0), TypeError,  # type: ignore[arg-type]
