@@ -180,27 +180,57 @@ def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     if setup.dispatch:
         yield from _dispatched_records(setup, epoch, skip)
         return
-    total, counted = setup.total_batch_size, setup.counted
-    n = None if counted else _epoch_samples(setup)
-    known = not (setup.drop_last or total is None)
+    if setup.counted:
+        yield from _counted_records(setup, epoch, skip)
+        return
+    total, n = setup.total_batch_size, _epoch_samples(setup)
+    known = not (setup.drop_last or total is None or n is None)
     remainder = n % total if known and n is not None and total else -1
     device = setup.ctx.device if setup.put_on_device else None
     non_blocking = setup.non_blocking
     items = open_epoch(setup, epoch, skip)
-    # One batch ahead, so that the last one is known while it is processed.
-    current: Any = next(items, _END)
+    # One batch ahead, so that the last one is known while it is processed. The
+    # loops are written out per case: this runs once per batch.
+    current = next(items, _END)
+    if current is _END:
+        return
     index = skip
-    while current is not _END:
-        following = next(items, _END)
-        is_last = following is _END
-        data = current
-        if counted:
-            data, seen = current
-            remainder = seen % total if is_last and known and total else -1
-        if device is not None:
-            data = _send(data, device, non_blocking)
-        yield make_batch(data, index, is_last, remainder, epoch, total)
-        index, current = index + 1, following
+    if device is None:
+        for following in items:
+            yield make_batch(current, index, False, remainder, epoch, total)
+            current, index = following, index + 1
+        yield make_batch(current, index, True, remainder, epoch, total)
+        return
+    for following in items:
+        data = _send(current, device, non_blocking)
+        yield make_batch(data, index, False, remainder, epoch, total)
+        current, index = following, index + 1
+    data = _send(current, device, non_blocking)
+    yield make_batch(data, index, True, remainder, epoch, total)
+
+
+def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    """``records`` for an unsized stream: the last batch carries the observed count."""
+    total = setup.total_batch_size
+    assert total is not None and not setup.drop_last  # see build_setup
+    device = setup.ctx.device if setup.put_on_device else None
+    items = open_epoch(setup, epoch, skip)
+    current: Any = next(items, _END)
+    if current is _END:
+        return
+    index = skip
+    for following in items:
+        data = (
+            current[0]
+            if device is None
+            else _send(current[0], device, setup.non_blocking)
+        )
+        yield make_batch(data, index, False, -1, epoch, total)
+        current, index = following, index + 1
+    data, seen = current
+    if device is not None:
+        data = _send(data, device, setup.non_blocking)
+    yield make_batch(data, index, True, seen % total, epoch, total)
 
 
 def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:

@@ -816,6 +816,16 @@ def test_put_on_device_moves_batches_to_ctx_device() -> None:
     assert [b.data[1] for b in moved] == [["main", "main"]] * 2
     kept = list(shard_loader(meta, dataloader, put_on_device=False))
     assert [b[0].tolist() for b in kept] == [[0, 1], [2, 3]]
+    unmoved = iter_batches(shard_loader(meta, dataloader, put_on_device=False))
+    assert [(b.data[0].tolist(), b.is_last) for b in unmoved] == [
+        ([0, 1], False),
+        ([2, 3], True),
+    ]
+    stream = DataLoader(Stream(5), batch_size=2)
+    for put in (False, True):
+        counted = list(iter_batches(shard_loader(meta, stream, put_on_device=put)))
+        assert [b.data.device.type for b in counted] == ["meta" if put else "cpu"] * 3
+        assert [b.remainder for b in counted] == [-1, -1, 1]
     assert (
         list(shard_loader(meta, dataloader, non_blocking=True))[0][0].device.type
         == "meta"
