@@ -1330,3 +1330,60 @@ def test_same_shuffled_order_as_accelerate_seedable_sampler(p: int, seed: int) -
             theirs.set_epoch(epoch)
             ours.set_epoch(epoch)
             assert [x.tolist() for x in ours] == [x.tolist() for x in theirs]
+
+
+# ------------------------------------------------------------ with a GPU only
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_batches_reach_the_gpu_from_pinned_memory() -> None:
+    ctx = DistributedContext(device=torch.device("cuda", 0))
+    dataloader = DataLoader(Indexed(5), batch_size=2, pin_memory=True)
+    loader = shard_loader(ctx, dataloader, non_blocking=True, rng_types=("cuda",))
+    got = [(x.device.type, x.tolist()) for x in loader]
+    assert got == [("cuda", [0, 1]), ("cuda", [2, 3]), ("cuda", [4])]
+
+
+def _on_gpu(ctx: DistributedContext) -> dict[str, Any]:
+    ctx = dataclasses.replace(
+        ctx, device=torch.device("cuda", 0), distributed_type=DistributedType.MULTI_GPU
+    )
+    torch.manual_seed(10 + ctx.process_index)
+    torch.cuda.manual_seed(20 + ctx.process_index)
+    loader = shard_loader(
+        ctx, DataLoader(Indexed(8), batch_size=2), rng_types=("torch", "cuda")
+    )
+    first = next(iter_batches(loader))
+    out: dict[str, Any] = {
+        "device": str(first.data.device),
+        "rand": (torch.rand(1).item(), torch.rand(1, device="cuda").item()),
+    }
+    for kind, data in (("map", Indexed(9)), ("iterable", SizedStream(9))):
+        dataloader = DataLoader(data, batch_size=2, pin_memory=True)
+        dispatched = shard_loader(
+            ctx, dataloader, dispatch_batches=True, non_blocking=True
+        )
+        out[kind] = [
+            (b.data.device.type, b.data.tolist(), b.remainder)
+            for b in iter_batches(dispatched)
+        ]
+    return out
+
+
+@needs_cuda
+@pytest.mark.distributed
+def test_cuda_rng_sync_and_dispatch_onto_the_gpu_over_gloo(tmp_path: Path) -> None:
+    ranks = run_ranks(_on_gpu, 2, tmp_path)
+    assert ranks[0]["rand"] == ranks[1]["rand"]
+    assert [r["device"] for r in ranks] == ["cuda:0", "cuda:0"]
+    expected = [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [0]]]
+    for rank, result in enumerate(ranks):
+        for kind in ("map", "iterable"):
+            assert [row[1] for row in result[kind]] == expected[rank]
+            assert [(row[0], row[2]) for row in result[kind]] == [
+                ("cuda", -1),
+                ("cuda", -1),
+                ("cuda", 1),
+            ]
