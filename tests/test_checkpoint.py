@@ -47,6 +47,13 @@ from tests._dist import run_processes
 from tests._dist import run_ranks
 
 ONE = DistributedContext()
+# The generators a CPU-context checkpoint restores on this machine.
+RESTORED = (
+    "python",
+    "torch",
+    *(("cuda",) if torch.cuda.is_available() else ()),
+    "numpy",
+)
 Tensors = dict[str, torch.Tensor]
 
 
@@ -145,7 +152,7 @@ def test_load_restores_every_object_value_and_rng(tmp_path: Path) -> None:
     fresh = _Objects(steps=0, seed=1)
     loaded = load_checkpoint(ONE, path, **fresh.kwargs())
     assert _draws() == expected
-    assert loaded.rng_restored == ("python", "torch", "numpy")
+    assert loaded.rng_restored == RESTORED
     assert (loaded.path, loaded.grad, loaded.loader) == (path, grad, loader)
     assert loaded.extra == {"step": 3} and loaded.meta.world_size == 1
     for name in ("model", "opt", "sched", "scaler", "counter"):
@@ -585,7 +592,7 @@ def test_rng_state_survives_a_weights_only_round_trip(tmp_path: Path) -> None:
     expected = _draws()
     _draws()
     state = torch.load(tmp_path / "rng.pt", weights_only=True)
-    assert restore_rng_state(state, caller="t") == ("python", "torch", "numpy")
+    assert restore_rng_state(state, caller="t") == RESTORED
     assert _draws() == expected
 
 
@@ -679,7 +686,7 @@ def test_ddp_checkpoint_writes_the_model_once_and_each_rank_its_rng(
         assert "rank 0: writing into" in result["failure"]
         assert "disk full (simulated)" in result["failure"]
         assert result["restored"] == result["expected"], rank
-        assert result["rng_restored"] == ("python", "torch", "numpy")
+        assert result["rng_restored"] == RESTORED
         assert _same_state(result["loaded"], result["params"])
         assert _same_state(result["loaded_momentum"], result["momentum"])
     assert results[0]["expected"] != results[1]["expected"]
