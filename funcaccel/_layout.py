@@ -38,6 +38,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "prepare",
+    "prune",
     "read_torch_file",
     "sha256_of",
     "temporary_dir",
@@ -106,15 +107,12 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(file.fileno())
 
 
-def commit(
-    root: Path, name: str, manifest: dict[str, object], *, keep_last: int | None
-) -> None:
+def commit(root: Path, name: str, manifest: dict[str, object]) -> None:
     """Make checkpoint ``name`` complete and current; run on rank 0 after all wrote.
 
     In order: write ``manifest.json`` into the temporary directory, rename it to
-    ``root/name``, replace ``root/latest``, then delete other temporary directories
-    and all but the newest ``keep_last`` checkpoints (``None``: keep all). Each step
-    is fsynced before the next, so a crash leaves ``latest`` naming a complete one.
+    ``root/name``, then replace ``root/latest``. Each step is fsynced before the
+    next, so a crash leaves ``latest`` naming a complete checkpoint.
     """
     temporary = temporary_dir(root, name)
     _write_synced(temporary / MANIFEST_NAME, json.dumps(manifest, indent=1))
@@ -125,17 +123,26 @@ def commit(
     _write_synced(pending, name + "\n")
     os.replace(pending, root / LATEST_NAME)
     fsync_directory(root)
+
+
+def prune(root: Path, *, keep_last: int | None) -> None:
+    """Delete leftover temporary dirs and all but the newest ``keep_last`` checkpoints.
+
+    Run on rank 0 only after ``commit``: nothing it deletes is current. ``None``
+    keeps every checkpoint.
+    """
     for path in root.iterdir():
         if path.name.startswith(".checkpoint-") and path.name.endswith(".tmp"):
             shutil.rmtree(path)
-    if keep_last is not None:
-        complete = [p for p in checkpoint_dirs(root) if (p / MANIFEST_NAME).is_file()]
-        for old in complete[:-keep_last]:
-            # Renamed first, so that a crash never leaves it half-deleted under a
-            # name that looks complete.
-            doomed = root / f".{old.name}.deleting.tmp"
-            os.rename(old, doomed)
-            shutil.rmtree(doomed)
+    if keep_last is None:
+        return
+    complete = [p for p in checkpoint_dirs(root) if (p / MANIFEST_NAME).is_file()]
+    for old in complete[:-keep_last]:
+        # Renamed first, so that a crash never leaves it half-deleted under a name
+        # that looks complete.
+        doomed = root / f".{old.name}.deleting.tmp"
+        os.rename(old, doomed)
+        shutil.rmtree(doomed)
 
 
 def sha256_of(path: Path) -> str:

@@ -153,9 +153,12 @@ class CheckpointMeta:
             "schedulers",
             "schema_version",
         ):
-            value = getattr(self, name)
-            if type(value) is not int or value < (1 if name == "world_size" else 0):
-                msg = f"{owner}: {name} must be an int >= {int(name == 'world_size')}; got {value!r}."
+            value, least = getattr(self, name), int(name == "world_size")
+            if type(value) is not int:
+                msg = f"{owner}: {name} must be an int; got {value!r} ({type(value).__name__})."
+                raise TypeError(msg)
+            if value < least:
+                msg = f"{owner}: {name} must be >= {least}; got {value}."
                 raise ValueError(msg)
         if self.state_format not in ("torch", "dcp"):
             msg = f"{owner}: state_format must be 'torch' or 'dcp'; got {self.state_format!r}."

@@ -235,7 +235,8 @@ def save_checkpoint(
             name = _layout.prepare(root)
         except OSError as failure:
             error = f"cannot create a checkpoint in {root}: {failure}"
-    failed = "the checkpoint was not written"
+    failed = "the checkpoint was not written (the previous one is still the latest)"
+    pruning: str | None = None
     name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
     _raise_failures([error], failed, caller)
     temporary = _layout.temporary_dir(root, name)
@@ -273,11 +274,19 @@ def save_checkpoint(
             files=files,
         )
         try:
-            _layout.commit(root, name, meta.to_dict(), keep_last=keep_last)
+            _layout.commit(root, name, meta.to_dict())
         except OSError as failure:
             error = f"committing {temporary} failed: {failure}"
+        else:
+            try:
+                _layout.prune(root, keep_last=keep_last)
+            except OSError as failure:
+                pruning = str(failure)
     # Also the barrier: no rank returns before the checkpoint is complete.
-    _raise_failures(_all_gather(ctx, error), failed, caller)
+    outcome = _all_gather(ctx, (error, pruning))
+    _raise_failures([e for e, _ in outcome], failed, caller)
+    done = f"{root / name} is written and current, but deleting older ones failed"
+    _raise_failures([p for _, p in outcome], done, caller)
     return root / name
 
 

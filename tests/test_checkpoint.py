@@ -210,6 +210,28 @@ def test_keep_last_keeps_the_newest_and_numbering_continues(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == [*names, "latest"]
 
 
+def test_a_failed_deletion_of_old_checkpoints_is_reported_after_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_checkpoint(ONE, tmp_path, extra={"n": 1})
+
+    def refuse(path: object) -> None:
+        raise OSError(f"cannot remove {path} (simulated)")
+
+    monkeypatch.setattr(funcaccel._layout.shutil, "rmtree", refuse)
+    with pytest.raises(
+        RuntimeError,
+        match=r"checkpoint-000002 is written and current, but deleting older ones failed; rank 0: cannot remove",
+    ):
+        save_checkpoint(ONE, tmp_path, extra={"n": 2}, keep_last=1)
+    monkeypatch.undo()
+    latest = latest_checkpoint(tmp_path)
+    assert latest is not None and read_checkpoint_meta(latest).extra == {"n": 2}
+    assert list_checkpoints(tmp_path) == [latest]  # the old one was renamed away
+    save_checkpoint(ONE, tmp_path, keep_last=1)  # and is cleaned up next time
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000003", "latest"]
+
+
 def test_latest_falls_back_to_the_newest_complete_without_a_pointer(
     tmp_path: Path,
 ) -> None:
@@ -569,7 +591,8 @@ def test_file_entry_rejects_bad_values(kwargs: dict[str, Any], match: str) -> No
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"world_size": 0}, ValueError, r"world_size must be an int >= 1; got 0"),
+        ({"world_size": 0}, ValueError, r"world_size must be >= 1; got 0"),
+        ({"models": True}, TypeError, r"models must be an int; got True \(bool\)"),
         (
             {"state_format": "zip"},
             ValueError,
