@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import string
 from collections.abc import Callable
@@ -218,7 +219,7 @@ def test_a_failed_deletion_of_old_checkpoints_is_reported_after_the_commit(
     def refuse(path: object) -> None:
         raise OSError(f"cannot remove {path} (simulated)")
 
-    monkeypatch.setattr(funcaccel._layout.shutil, "rmtree", refuse)
+    monkeypatch.setattr(shutil, "rmtree", refuse)
     with pytest.raises(
         RuntimeError,
         match=r"checkpoint-000002 is written and current, but deleting older ones failed; rank 0: cannot remove",
