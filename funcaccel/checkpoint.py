@@ -8,6 +8,14 @@ schedulers, grad scaler and other ``Stateful`` objects, the ``GradState`` and
 the values as a ``LoadedState``; ``latest_checkpoint(directory)`` finds the newest
 complete one. A resumed run ends bit for bit where an uninterrupted one would.
 
+>>> import tempfile
+>>> ctx = DistributedContext()
+>>> with tempfile.TemporaryDirectory() as run:
+...     path = save_checkpoint(ctx, run, models=nn.Linear(2, 1), extra={"step": 3})
+...     loaded = load_checkpoint(ctx, path, models=nn.Linear(2, 1))
+>>> path.name, loaded.extra, loaded.meta.world_size
+('checkpoint-000001', {'step': 3}, 1)
+
 Layout of one checkpoint (``"torch"`` format: one process or DDP)::
 
     manifest.json              written last; lists every file with size (and SHA-256)
@@ -26,7 +34,13 @@ process killed at any moment leaves ``latest`` naming a complete checkpoint.
 
 **Accumulation windows.** Gradients of an open accumulation window are not part of
 a checkpoint (SPEC §6), so ``save_checkpoint`` refuses a ``GradState`` with
-``micro_step != 0``: save right after an optimizer step (``grad.sync_gradients``).
+``micro_step != 0``: save right after an optimizer step (``grad.sync_gradients``)
+with ``loader=batch.state``, and resume with ``iter_batches(loader, loaded.loader)``.
+
+**Exactness** needs samples that are a function of their index: the loader reads
+one batch ahead and its workers restart at the resume point, so randomness drawn
+while loading (augmentation from a global RNG) is not replayed; seed it from the
+sample index and epoch instead.
 """
 
 from __future__ import annotations
