@@ -370,7 +370,7 @@ def sync_ctx(
     return _no_sync(modules)
 
 
-def _check_loss(loss: object) -> torch.Tensor:
+def _check_loss(loss: object) -> None:
     if not isinstance(loss, torch.Tensor):
         msg = (
             f"accumulate_step: loss_fn() must return the loss of one micro-batch as "
@@ -389,7 +389,6 @@ def _check_loss(loss: object) -> torch.Tensor:
             "it from the model's output, outside torch.no_grad()."
         )
         raise ValueError(msg)
-    return loss
 
 
 def _check_step_args(
@@ -439,10 +438,14 @@ def _forward_backward(
     autocast_kwargs: AutocastKwargs | None,
 ) -> torch.Tensor:
     if ctx.mixed_precision == "no":  # autocast_ctx would be a null context
-        loss = _check_loss(loss_fn())
+        loss = loss_fn()
     else:
         with autocast_ctx(ctx, autocast_kwargs):
-            loss = _check_loss(loss_fn())
+            loss = loss_fn()
+    if not (
+        isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1
+    ):
+        _check_loss(loss)  # says what is wrong
     scaled = loss / k
     if scaler is not None:
         scaled = scaler.scale(scaled)
@@ -506,9 +509,25 @@ def accumulate_step(
             is not a scalar or does not require grad.
         RuntimeError: several processes but no matching process group.
     """
-    _check_step_args(
-        ctx, grad, loss_fn, end_of_dataloader, scaler, max_grad_norm, autocast_kwargs
-    )
+    if not (  # the usual arguments in one expression (this runs per micro-step)
+        isinstance(ctx, DistributedContext)
+        and isinstance(grad, GradState)
+        and type(end_of_dataloader) is bool
+        and scaler is None
+        and max_grad_norm is None
+        and autocast_kwargs is None
+        and ctx.mixed_precision != "fp16"
+        and callable(loss_fn)
+    ):
+        _check_step_args(
+            ctx,
+            grad,
+            loss_fn,
+            end_of_dataloader,
+            scaler,
+            max_grad_norm,
+            autocast_kwargs,
+        )
     # Fast paths for the usual single model and optimizer (this runs per micro-step).
     if isinstance(model, nn.Module):
         models: tuple[nn.Module, ...] = (model,)

@@ -17,6 +17,7 @@ stepping a scheduler that has a ``total_steps`` (``OneCycleLR``) past its end.
 
 from __future__ import annotations
 
+from typing import Final
 from typing import SupportsFloat
 
 from torch.optim.lr_scheduler import LRScheduler
@@ -27,6 +28,8 @@ from funcaccel.accumulate import GradState
 from funcaccel.context import DistributedContext
 
 __all__ = ["maybe_step_scheduler", "scheduler_steps_due"]
+
+_CALLER: Final = "maybe_step_scheduler"
 
 
 def _check_flag(caller: str, name: str, value: object) -> None:
@@ -65,18 +68,17 @@ def scheduler_steps_due(
     >>> scheduler_steps_due(one, GradState(step_was_skipped=True), step_with_optimizer=False)
     1
     """
-    return _steps_due(
-        ctx, grad, split_batches, step_with_optimizer, "scheduler_steps_due"
-    )
+    _check_args(ctx, grad, split_batches, step_with_optimizer, "scheduler_steps_due")
+    return _due(ctx, grad, split_batches, step_with_optimizer)
 
 
-def _steps_due(
-    ctx: DistributedContext,
-    grad: GradState,
-    split_batches: bool,
-    step_with_optimizer: bool,
+def _check_args(
+    ctx: object,
+    grad: object,
+    split_batches: object,
+    step_with_optimizer: object,
     caller: str,
-) -> int:
+) -> None:
     if not isinstance(ctx, DistributedContext):
         msg = f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}."
         raise TypeError(msg)
@@ -86,9 +88,16 @@ def _steps_due(
             f"{grad!r} ({type(grad).__name__})."
         )
         raise TypeError(msg)
-    if type(split_batches) is not bool or type(step_with_optimizer) is not bool:
-        _check_flag(caller, "split_batches", split_batches)
-        _check_flag(caller, "step_with_optimizer", step_with_optimizer)
+    _check_flag(caller, "split_batches", split_batches)
+    _check_flag(caller, "step_with_optimizer", step_with_optimizer)
+
+
+def _due(
+    ctx: DistributedContext,
+    grad: GradState,
+    split_batches: bool,
+    step_with_optimizer: bool,
+) -> int:
     if not step_with_optimizer:
         return 1
     if not grad.sync_gradients or grad.step_was_skipped:
@@ -144,27 +153,17 @@ def maybe_step_scheduler(
         ValueError: ``metrics`` missing for ``ReduceLROnPlateau``, or given to
             another scheduler.
     """
-    caller = "maybe_step_scheduler"
-    due = _steps_due(ctx, grad, split_batches, step_with_optimizer, caller)
-    if not callable(getattr(scheduler, "step", None)):
-        msg = (
-            f"maybe_step_scheduler: scheduler must have a step() method; got "
-            f"{scheduler!r} ({type(scheduler).__name__})."
-        )
-        raise TypeError(msg)
+    if not (  # the usual arguments in one expression (this runs per micro-step)
+        isinstance(ctx, DistributedContext)
+        and isinstance(grad, GradState)
+        and type(split_batches) is bool
+        and type(step_with_optimizer) is bool
+    ):
+        _check_args(ctx, grad, split_batches, step_with_optimizer, _CALLER)
     plateau = isinstance(scheduler, ReduceLROnPlateau)
-    if plateau and metrics is None:
-        msg = (
-            "maybe_step_scheduler: ReduceLROnPlateau steps on a metric but "
-            "metrics=None; pass metrics=<validation loss or other monitored value>."
-        )
-        raise ValueError(msg)
-    if not plateau and metrics is not None:
-        msg = (
-            f"maybe_step_scheduler: metrics={metrics!r} is only used by "
-            f"ReduceLROnPlateau, not {type(scheduler).__name__}; drop metrics."
-        )
-        raise ValueError(msg)
+    if (metrics is None) == plateau or not callable(getattr(scheduler, "step", None)):
+        _check_scheduler(scheduler, plateau, metrics)
+    due = _due(ctx, grad, split_batches, step_with_optimizer)
     stepped = 0
     while stepped < due and _has_steps_left(scheduler):
         if isinstance(scheduler, ReduceLROnPlateau):
@@ -174,3 +173,24 @@ def maybe_step_scheduler(
             scheduler.step()
         stepped += 1
     return stepped
+
+
+def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
+    if not callable(getattr(scheduler, "step", None)):
+        msg = (
+            f"{_CALLER}: scheduler must have a step() method; got "
+            f"{scheduler!r} ({type(scheduler).__name__})."
+        )
+        raise TypeError(msg)
+    if plateau and metrics is None:
+        msg = (
+            f"{_CALLER}: ReduceLROnPlateau steps on a metric but "
+            "metrics=None; pass metrics=<validation loss or other monitored value>."
+        )
+        raise ValueError(msg)
+    if not plateau and metrics is not None:
+        msg = (
+            f"{_CALLER}: metrics={metrics!r} is only used by "
+            f"ReduceLROnPlateau, not {type(scheduler).__name__}; drop metrics."
+        )
+        raise ValueError(msg)
