@@ -14,6 +14,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 from typing import Literal
@@ -216,11 +217,13 @@ class _Header:
     message: str = ""
 
 
-_ERRORS: Final[dict[str, type[Exception]]] = {
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "RuntimeError": RuntimeError,
-}
+_ERRORS: Final[Mapping[str, type[Exception]]] = MappingProxyType(
+    {
+        "TypeError": TypeError,
+        "ValueError": ValueError,
+        "RuntimeError": RuntimeError,
+    }
+)
 
 
 def _share_header(ctx: DistributedContext, header: _Header | None) -> _Header:
