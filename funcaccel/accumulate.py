@@ -500,7 +500,9 @@ def accumulate_step(
         autocast_kwargs: options for the autocast context.
 
     Returns:
-        ``(loss.detach(), new_grad)``: the undivided loss and the next state.
+        ``(loss.detach(), new_grad)``: the undivided loss and the next state; with
+        several optimizers ``new_grad.step_was_skipped`` is true when the scaler
+        skipped any of their steps.
 
     Raises:
         TypeError: an argument of the wrong type, or ``loss_fn()`` not returning a
