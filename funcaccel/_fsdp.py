@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from funcaccel._lazy import is_fsdp_module as _is_fsdp_module
 from funcaccel._lazy import is_instance_if_loaded
 from funcaccel.context import DistributedContext
 
@@ -133,7 +134,7 @@ def is_fsdp_module(module: nn.Module) -> bool:
     >>> is_fsdp_module(nn.Linear(1, 1))
     False
     """
-    return is_instance_if_loaded(module, "torch.distributed.fsdp", "FSDPModule")
+    return _is_fsdp_module(module)
 
 
 def shard_model(

@@ -16,8 +16,17 @@ False
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-__all__ = ["is_instance_if_loaded"]
+from typing_extensions import TypeGuard
+from typing_extensions import TypeIs
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+__all__ = ["is_dtensor", "is_fsdp_module", "is_instance_if_loaded"]
 
 
 def is_instance_if_loaded(obj: object, module_name: str, class_name: str) -> bool:
@@ -28,3 +37,13 @@ def is_instance_if_loaded(obj: object, module_name: str, class_name: str) -> boo
     cls = getattr(module, class_name)
     assert isinstance(cls, type), (module_name, class_name)
     return isinstance(obj, cls)
+
+
+def is_fsdp_module(module: nn.Module) -> TypeGuard[FSDPModule]:
+    """Return whether ``fully_shard`` (FSDP2) has been applied to ``module``."""
+    return is_instance_if_loaded(module, "torch.distributed.fsdp", "FSDPModule")
+
+
+def is_dtensor(value: object) -> TypeIs[DTensor]:
+    """Return whether ``value`` is a ``DTensor`` (a sharded FSDP2 tensor)."""
+    return is_instance_if_loaded(value, "torch.distributed.tensor", "DTensor")

@@ -31,9 +31,9 @@ from typing import Final
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._lazy import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.kwargs import AutocastKwargs
@@ -328,13 +328,22 @@ def _next_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> Grad
     return state
 
 
+def _inside_compile(model: nn.Module) -> nn.Module:
+    # torch.compile wraps a module in an OptimizedModule holding it as _orig_mod;
+    # the no-sync switch belongs to the DDP / FSDP2 module inside.
+    while isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+        model = inner
+    return model
+
+
 @contextlib.contextmanager
 def _no_sync(models: tuple[nn.Module, ...]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        for model in models:
+        for wrapped in models:
+            model = _inside_compile(wrapped)
             if isinstance(model, DistributedDataParallel):
                 stack.enter_context(model.no_sync())
-            elif isinstance(model, FSDPModule):
+            elif is_fsdp_module(model):
                 # Registered before the switch, so it runs on error too.
                 stack.callback(model.set_requires_gradient_sync, True)
                 model.set_requires_gradient_sync(False)

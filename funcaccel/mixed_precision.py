@@ -26,8 +26,8 @@ from typing import TypeVar
 
 import torch
 from torch.amp.grad_scaler import OptState
-from torch.distributed.tensor import DTensor
 
+from funcaccel._lazy import is_dtensor
 from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
 from funcaccel.kwargs import AutocastKwargs
@@ -294,7 +294,7 @@ def clip_grad_norm_(
             raise ValueError(msg)
         unscale_grads_(scaler, optimizer)
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         norm = norm.full_tensor()
     return norm
 
