@@ -27,27 +27,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from typing import Literal
-from typing import Protocol
 from typing import TypeAlias
 from typing import TypeVar
-from typing import runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
-from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from funcaccel import _layout
 from funcaccel._fsdp import is_fsdp_module
 from funcaccel._manifest import FileEntry
 from funcaccel._rng import capture_rng_state
+from funcaccel._typing import Stateful
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.model import unwrap_model
@@ -68,19 +58,6 @@ __all__ = [
 
 StateFormat: TypeAlias = Literal["torch", "dcp"]
 T = TypeVar("T")
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything checkpointed through ``state_dict()`` / ``load_state_dict(state)``.
-
-    Torch's optimizers, schedulers and ``GradScaler`` take a ``dict`` (not any
-    mapping), so the argument is typed loosely.
-    """
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
 def _as_tuple(
@@ -230,6 +207,11 @@ def _dcp_state(
     optimizers: Sequence[torch.optim.Optimizer],
     pairs: Sequence[int],
 ) -> dict[str, Any]:
+    # torch.distributed.checkpoint takes seconds to import: only sharded models
+    # need it, so it is imported here rather than with funcaccel.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     state: dict[str, Any] = {}
     for index, model in enumerate(models):
         state[f"model_{index}"] = get_model_state_dict(model)
@@ -250,6 +232,9 @@ def save_sharded(
 
     Collective: every rank calls it with its own shards.
     """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     pairs = pair_optimizers(models, optimizers, caller=caller)
     state = _dcp_state(models, optimizers, pairs)
     writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
@@ -274,6 +259,12 @@ def load_sharded(
         ValueError: the checkpoint does not hold these models' tensors (different
             architecture, or a different number of models or optimizers).
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     pairs = pair_optimizers(models, optimizers, caller=caller)
     state = _dcp_state(models, optimizers, pairs)
     reader = FileSystemReader(directory)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 from typing import Literal
 from typing import Protocol
@@ -17,11 +16,15 @@ MIXED_PRECISION_MODES: tuple[MixedPrecision, ...] = ("no", "fp16", "bf16")
 
 @runtime_checkable
 class Stateful(Protocol):
-    """Anything with torch's ``state_dict`` / ``load_state_dict`` pair."""
+    """Anything checkpointed through ``state_dict()`` / ``load_state_dict(state)``.
 
-    def state_dict(self) -> Mapping[str, Any]: ...
+    Torch's optimizers, schedulers and ``GradScaler`` take a ``dict`` (not any
+    mapping), so the argument is typed loosely.
+    """
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> Any: ...
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
 class SupportsStep(Protocol):
