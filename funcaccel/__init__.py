@@ -7,13 +7,8 @@ it into the functions below.
 
 from __future__ import annotations
 
-from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
-from funcaccel.accumulate import advance_grad_state
-from funcaccel.accumulate import should_skip_grad_sync
-from funcaccel.accumulate import should_sync
 from funcaccel.accumulate import sync_ctx
-from funcaccel.accumulate import window_grad_factor
 from funcaccel.checkpoint import CheckpointMeta
 from funcaccel.checkpoint import LoadedState
 from funcaccel.checkpoint import latest_checkpoint
@@ -36,6 +31,11 @@ from funcaccel.context import build_context
 from funcaccel.context import close_context
 from funcaccel.context import context_from_env
 from funcaccel.envreport import env_report
+from funcaccel.grad_state import GradState
+from funcaccel.grad_state import advance_grad_state
+from funcaccel.grad_state import should_skip_grad_sync
+from funcaccel.grad_state import should_sync
+from funcaccel.grad_state import window_grad_factor
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs

@@ -24,7 +24,7 @@ from typing import Literal
 from typing import TypeVar
 
 from funcaccel import _layout
-from funcaccel.accumulate import GradState
+from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
 
 __all__ = [

@@ -69,8 +69,8 @@ from funcaccel._manifest import FileEntry
 from funcaccel._manifest import check_json_value
 from funcaccel._manifest import read_manifest
 from funcaccel._rng import restore_rng_state
-from funcaccel.accumulate import GradState
 from funcaccel.context import DistributedContext
+from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
 from funcaccel.model import unwrap_model
 

@@ -24,8 +24,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from funcaccel._typing import SupportsStep
-from funcaccel.accumulate import GradState
 from funcaccel.context import DistributedContext
+from funcaccel.grad_state import GradState
 
 __all__ = ["maybe_step_scheduler", "scheduler_steps_due"]
 
