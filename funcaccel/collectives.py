@@ -15,8 +15,6 @@ a ``ValueError`` on every rank instead of a hang.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
 from typing import Final
@@ -28,6 +26,17 @@ from typing import overload
 import torch
 import torch.distributed as dist
 
+from funcaccel._exchange import all_gather_objects
+from funcaccel._exchange import check_agree
+from funcaccel._exchange import exchange
+from funcaccel._exchange import join_objects
+from funcaccel._exchange import local_spec
+from funcaccel._exchange import per_leaf
+from funcaccel._pad import check_pad_args
+from funcaccel._pad import pad_tensor
+from funcaccel._tree import is_tensor_tree
+from funcaccel._tree import rebuild
+from funcaccel._tree import tensor_leaves
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 
@@ -48,8 +57,6 @@ T = TypeVar("T")
 M = TypeVar("M", bound=Mapping[Any, Any])
 Reduction = Literal["sum", "mean", "max"]
 _REDUCTIONS: Final = ("sum", "mean", "max")
-# Per rank: the leaf paths, then each leaf's (shape, dtype name).
-_Spec = tuple[list[str], list[tuple[tuple[int, ...], str]]]
 
 
 class BatchInfo(Protocol):
@@ -66,89 +73,6 @@ class BatchInfo(Protocol):
         ...
 
 
-def _flatten(data: object, caller: str, path: str = "data") -> list[tuple[str, Any]]:
-    """Return ``(path, leaf)`` pairs in a fixed order; raise on a non-tensor leaf."""
-    if isinstance(data, torch.Tensor):
-        return [(path, data)]
-    if isinstance(data, Mapping):
-        items = [(f"{path}[{k!r}]", v) for k, v in data.items()]
-    elif isinstance(data, tuple) and hasattr(data, "_fields"):
-        items = [(f"{path}.{f}", v) for f, v in zip(data._fields, data, strict=True)]
-    elif isinstance(data, (list, tuple)):
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(data)]
-    else:
-        msg = f"{caller}: {path} is a {type(data).__name__} ({data!r:.60}); data must be a tensor or a list / tuple / dict of tensors; convert the leaf with torch.as_tensor or use gather_object for arbitrary objects."
-        raise TypeError(msg)
-    return [pair for p, v in items for pair in _flatten(v, caller, p)]
-
-
-def _leaves(
-    data: object, caller: str, *, rows: bool = False
-) -> tuple[list[str], list[torch.Tensor]]:
-    """Return the leaf paths and leaves; with ``rows``, 0-d leaves as shape ``[1]``."""
-    pairs = _flatten(data, caller)
-    leaves = [t.reshape(1) if rows and t.ndim == 0 else t for _, t in pairs]
-    return [p for p, _ in pairs], leaves
-
-
-def _rebuild(data: Any, leaves: Iterator[torch.Tensor]) -> Any:
-    """Return ``data``'s structure (new containers) holding the next ``leaves``."""
-    if isinstance(data, torch.Tensor):
-        return next(leaves)
-    if isinstance(data, Mapping):
-        pairs = [(k, _rebuild(v, leaves)) for k, v in data.items()]
-        if isinstance(data, defaultdict):
-            return defaultdict(data.default_factory, pairs)
-        return type(data)(pairs) if isinstance(data, dict) else dict(pairs)
-    items = [_rebuild(v, leaves) for v in data]
-    return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
-
-
-def _map(data: T, leaves: list[torch.Tensor]) -> T:
-    rebuilt: T = _rebuild(data, iter(leaves))
-    return rebuilt
-
-
-def _spec(paths: list[str], leaves: list[torch.Tensor]) -> _Spec:
-    return paths, [(tuple(t.shape), str(t.dtype)) for t in leaves]
-
-
-def _all_gather_objects(ctx: DistributedContext, obj: object) -> list[Any]:
-    every: list[Any] = [None] * ctx.num_processes
-    dist.all_gather_object(every, obj)
-    return every
-
-
-def _per_leaf(
-    caller: str, paths: list[str], specs: list[_Spec]
-) -> list[list[tuple[tuple[int, ...], str]]]:
-    """Check every rank has the same leaves; return each leaf's (shape, dtype)s."""
-    if any(spec[0] != paths for spec in specs):
-        listing = "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(specs))
-        msg = f"{caller}: data has a different structure on different ranks ({listing}); pass the same nesting, keys and key order on every rank."
-        raise ValueError(msg)
-    return [[spec[1][i] for spec in specs] for i in range(len(paths))]
-
-
-def _exchange(
-    ctx: DistributedContext, caller: str, paths: list[str], leaves: list[torch.Tensor]
-) -> list[list[tuple[tuple[int, ...], str]]]:
-    """All-gather every rank's leaf shapes and dtypes before any tensor moves."""
-    return _per_leaf(caller, paths, _all_gather_objects(ctx, _spec(paths, leaves)))
-
-
-def _check_agree(
-    caller: str, path: str, per_rank: list[tuple[tuple[int, ...], str]], first: int
-) -> None:
-    """Raise unless every rank's leaf agrees on dtype and on shape from dim ``first``."""
-    keys = {(shape[first:], dtype) for shape, dtype in per_rank}
-    if len(keys) > 1:
-        listing = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(per_rank))
-        rule = "every dim but 0" if first else "the shape"
-        msg = f"{caller}: {path} must have the same dtype and {rule} on every rank; got {listing}. Cast to one dtype and pad with pad_across_processes first."
-        raise ValueError(msg)
-
-
 def _check_from_process(
     ctx: DistributedContext, caller: str, from_process: int
 ) -> None:
@@ -158,67 +82,6 @@ def _check_from_process(
     if not 0 <= from_process < ctx.num_processes:
         msg = f"{caller}: from_process ({from_process}) must be in [0, num_processes={ctx.num_processes}); pass the rank to copy from."
         raise ValueError(msg)
-
-
-def pad_tensor(
-    tensor: torch.Tensor,
-    size: int,
-    *,
-    dim: int = 0,
-    pad_index: float = 0,
-    pad_first: bool = False,
-) -> torch.Tensor:
-    """Return ``tensor`` padded along ``dim`` to ``size`` with ``pad_index``.
-
-    Pure; ``tensor`` is not modified, and is returned itself when already ``size`` long.
-
-    Raises:
-        TypeError: ``tensor`` is not a tensor, ``dim`` not an int or ``pad_index``
-            not a number.
-        ValueError: ``dim`` not in ``[0, tensor.ndim)``, ``size`` below the current
-            size, or a fractional ``pad_index`` for an integer tensor.
-
-    >>> pad_tensor(torch.tensor([4]), 3)
-    tensor([4, 0, 0])
-    >>> pad_tensor(torch.tensor([[1, 2]]), 3, dim=1, pad_index=-1, pad_first=True)
-    tensor([[-1,  1,  2]])
-    """
-    if not isinstance(tensor, torch.Tensor):
-        msg = f"pad_tensor: tensor must be a torch.Tensor; got {type(tensor).__name__}."
-        raise TypeError(msg)
-    _check_pad_args("pad_tensor", dim, pad_index)
-    if dim >= tensor.ndim:
-        msg = f"pad_tensor: dim ({dim}) must be < tensor.ndim ({tensor.ndim}) for shape {tuple(tensor.shape)}; pass a dim the tensor has."
-        raise ValueError(msg)
-    if isinstance(pad_index, float) and not pad_index.is_integer():
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            msg = f"pad_tensor: pad_index {pad_index} cannot be stored in a {tensor.dtype} tensor; pass an integer pad_index."
-            raise ValueError(msg)
-    current = tensor.shape[dim]
-    if size < current:
-        msg = f"pad_tensor: size ({size}) is smaller than the tensor's size {current} along dim {dim}; pass size >= {current}."
-        raise ValueError(msg)
-    if size == current:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = size
-    out = tensor.new_full(shape, pad_index)
-    out.narrow(dim, size - current if pad_first else 0, current).copy_(tensor)
-    return out
-
-
-def _check_pad_args(caller: str, dim: int, pad_index: float) -> None:
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        msg = f"{caller}: dim must be an int; got {dim!r} ({type(dim).__name__})."
-        raise TypeError(msg)
-    if dim < 0:
-        msg = (
-            f"{caller}: dim must be >= 0; got {dim}. Count dims from 0 (no negatives)."
-        )
-        raise ValueError(msg)
-    if not isinstance(pad_index, (int, float)):
-        msg = f"{caller}: pad_index must be a number; got {pad_index!r}; pass an int or a float."
-        raise TypeError(msg)
 
 
 def gather(ctx: DistributedContext, data: T) -> T:
@@ -234,11 +97,11 @@ def gather(ctx: DistributedContext, data: T) -> T:
         RuntimeError: no process group matches ``ctx``.
     """
     require_process_group(ctx, "gather")
-    paths, flat = _leaves(data, "gather", rows=True)
+    paths, flat = tensor_leaves(data, "gather", rows=True)
     if ctx.num_processes == 1:
         return data
-    specs = _exchange(ctx, "gather", paths, flat)
-    return _map(data, _gather_rows(ctx, "gather", paths, flat, specs))
+    specs = exchange(ctx, "gather", paths, flat)
+    return rebuild(data, _gather_rows(ctx, "gather", paths, flat, specs))
 
 
 def _gather_rows(
@@ -250,7 +113,7 @@ def _gather_rows(
 ) -> list[torch.Tensor]:
     out = []
     for path, tensor, per_rank in zip(paths, flat, specs, strict=True):
-        _check_agree(caller, path, per_rank, 1)
+        check_agree(caller, path, per_rank, 1)
         # gloo's all_gather needs equal shapes: pad to the longest, trim after.
         sizes = [shape[0] for shape, _ in per_rank]
         send = pad_tensor(tensor, max(sizes)).contiguous()
@@ -258,19 +121,6 @@ def _gather_rows(
         dist.all_gather(buffers, send)
         out.append(torch.cat([b[:n] for b, n in zip(buffers, sizes, strict=True)]))
     return out
-
-
-def _join_objects(caller: str, name: str, every: list[Any]) -> list[Any]:
-    """Concatenate every rank's list or tuple, or raise naming the ranks that aren't."""
-    bad = [
-        f"rank {r}: {type(o).__name__}"
-        for r, o in enumerate(every)
-        if not isinstance(o, (list, tuple))
-    ]
-    if bad:
-        msg = f"{caller}: {name} must be a list or tuple on every rank; got {', '.join(bad)}; wrap a single object as [{name}]."
-        raise TypeError(msg)
-    return [item for part in every for item in part]
 
 
 def gather_object(ctx: DistributedContext, obj: list[T] | tuple[T, ...]) -> list[T]:
@@ -286,10 +136,10 @@ def gather_object(ctx: DistributedContext, obj: list[T] | tuple[T, ...]) -> list
     """
     require_process_group(ctx, "gather_object")
     if ctx.num_processes == 1:
-        _join_objects("gather_object", "obj", [obj])
+        join_objects("gather_object", "obj", [obj])
         return obj if isinstance(obj, list) else list(obj)
     # Exchange first, check after: every rank sees every rank's type alike.
-    out: list[T] = _join_objects("gather_object", "obj", _all_gather_objects(ctx, obj))
+    out: list[T] = join_objects("gather_object", "obj", all_gather_objects(ctx, obj))
     return out
 
 
@@ -309,17 +159,17 @@ def broadcast(ctx: DistributedContext, data: T, *, from_process: int = 0) -> T:
     """
     require_process_group(ctx, "broadcast")
     _check_from_process(ctx, "broadcast", from_process)
-    paths, leaves = _leaves(data, "broadcast")
+    paths, leaves = tensor_leaves(data, "broadcast")
     if ctx.num_processes == 1:
         return data
     for path, per_rank in zip(
-        paths, _exchange(ctx, "broadcast", paths, leaves), strict=True
+        paths, exchange(ctx, "broadcast", paths, leaves), strict=True
     ):
-        _check_agree("broadcast", path, per_rank, 0)
+        check_agree("broadcast", path, per_rank, 0)
     out = [t.detach().clone(memory_format=torch.contiguous_format) for t in leaves]
     for tensor in out:
         dist.broadcast(tensor, src=from_process)
-    return _map(data, out)
+    return rebuild(data, out)
 
 
 def broadcast_object(ctx: DistributedContext, obj: T, *, from_process: int = 0) -> T:
@@ -360,11 +210,11 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction) -> T:
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         msg = f"reduce: reduction must be 'sum', 'mean' or 'max'; got {reduction!r}."
         raise ValueError(msg)
-    paths, leaves = _leaves(data, "reduce")
+    paths, leaves = tensor_leaves(data, "reduce")
     if ctx.num_processes > 1:
-        specs = _exchange(ctx, "reduce", paths, leaves)
+        specs = exchange(ctx, "reduce", paths, leaves)
         for path, per_rank in zip(paths, specs, strict=True):
-            _check_agree("reduce", path, per_rank, 0)
+            check_agree("reduce", path, per_rank, 0)
     # Checked after the exchange: dtypes now agree, so every rank raises alike.
     for path, tensor in zip(paths, leaves, strict=True):
         floating = tensor.is_floating_point() or tensor.is_complex()
@@ -380,7 +230,7 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction) -> T:
             dist.all_reduce(tensor, op=op)
             if reduction == "mean":
                 tensor.div_(ctx.num_processes)
-    return _map(data, out)
+    return rebuild(data, out)
 
 
 def pad_across_processes(
@@ -407,11 +257,11 @@ def pad_across_processes(
         RuntimeError: no process group matches ``ctx``.
     """
     require_process_group(ctx, "pad_across_processes")
-    _check_pad_args("pad_across_processes", dim, pad_index)
-    paths, leaves = _leaves(data, "pad_across_processes")
+    check_pad_args("pad_across_processes", dim, pad_index)
+    paths, leaves = tensor_leaves(data, "pad_across_processes")
     if ctx.num_processes == 1:
         return data
-    specs = _exchange(ctx, "pad_across_processes", paths, leaves)
+    specs = exchange(ctx, "pad_across_processes", paths, leaves)
     longest = [
         max((s[dim] for s, _ in per_rank if len(s) > dim), default=0)
         for per_rank in specs
@@ -422,7 +272,7 @@ def pad_across_processes(
         else pad_tensor(t, n, dim=dim, pad_index=pad_index, pad_first=pad_first)
         for t, n in zip(leaves, longest, strict=True)
     ]
-    return _map(data, out)
+    return rebuild(data, out)
 
 
 def _check_batch(batch: BatchInfo | None) -> None:
@@ -440,16 +290,6 @@ def _check_batch(batch: BatchInfo | None) -> None:
     if remainder < -1:
         msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}; pass the record iter_batches yields."
         raise ValueError(msg)
-
-
-def _all_tensors(data: object) -> bool:
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, Mapping):
-        return all(_all_tensors(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return all(_all_tensors(v) for v in data)
-    return False
 
 
 @overload
@@ -513,23 +353,25 @@ def gather_for_metrics(
     limit = None
     if batch is not None and batch.is_last and batch.remainder > 0:
         limit = batch.remainder
-    objects = use_gather_object or not _all_tensors(data)
+    objects = use_gather_object or not is_tensor_tree(data)
     if ctx.num_processes == 1:
         if objects:
-            _join_objects(caller, "data", [data])
+            join_objects(caller, "data", [data])
         return data
-    paths, flat = ([], []) if objects else _leaves(data, caller, rows=True)
+    paths, flat = ([], []) if objects else tensor_leaves(data, caller, rows=True)
     # One exchange settles the path: objects as soon as any rank needs them (an
     # empty list holds no non-tensor leaf, so ranks can disagree).
-    every = _all_gather_objects(ctx, (objects, data if objects else _spec(paths, flat)))
+    every = all_gather_objects(
+        ctx, (objects, data if objects else local_spec(paths, flat))
+    )
     if any(wanted for wanted, _ in every):
         if not all(wanted for wanted, _ in every):
-            late = _all_gather_objects(ctx, None if objects else data)
+            late = all_gather_objects(ctx, None if objects else data)
             every = [
                 (True, x if w else y) for (w, x), y in zip(every, late, strict=True)
             ]
-        return _join_objects(caller, "data", [x for _, x in every])[:limit]
-    specs = _per_leaf(caller, paths, [spec for _, spec in every])
-    return _map(
+        return join_objects(caller, "data", [x for _, x in every])[:limit]
+    specs = per_leaf(caller, paths, [spec for _, spec in every])
+    return rebuild(
         data, [t[:limit] for t in _gather_rows(ctx, caller, paths, flat, specs)]
     )

@@ -1,0 +1,72 @@
+"""Pad a tensor along one dimension: the pure arithmetic under ``pad_across_processes``.
+
+``funcaccel.collectives`` re-exports ``pad_tensor``; ``gather`` uses it to give gloo's
+``all_gather`` equal shapes, ``pad_across_processes`` to reach the longest rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_pad_args", "pad_tensor"]
+
+
+def pad_tensor(
+    tensor: torch.Tensor,
+    size: int,
+    *,
+    dim: int = 0,
+    pad_index: float = 0,
+    pad_first: bool = False,
+) -> torch.Tensor:
+    """Return ``tensor`` padded along ``dim`` to ``size`` with ``pad_index``.
+
+    Pure; ``tensor`` is not modified, and is returned itself when already ``size`` long.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor, ``dim`` not an int or ``pad_index``
+            not a number.
+        ValueError: ``dim`` not in ``[0, tensor.ndim)``, ``size`` below the current
+            size, or a fractional ``pad_index`` for an integer tensor.
+
+    >>> pad_tensor(torch.tensor([4]), 3)
+    tensor([4, 0, 0])
+    >>> pad_tensor(torch.tensor([[1, 2]]), 3, dim=1, pad_index=-1, pad_first=True)
+    tensor([[-1,  1,  2]])
+    """
+    if not isinstance(tensor, torch.Tensor):
+        msg = f"pad_tensor: tensor must be a torch.Tensor; got {type(tensor).__name__}."
+        raise TypeError(msg)
+    check_pad_args("pad_tensor", dim, pad_index)
+    if dim >= tensor.ndim:
+        msg = f"pad_tensor: dim ({dim}) must be < tensor.ndim ({tensor.ndim}) for shape {tuple(tensor.shape)}; pass a dim the tensor has."
+        raise ValueError(msg)
+    if isinstance(pad_index, float) and not pad_index.is_integer():
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            msg = f"pad_tensor: pad_index {pad_index} cannot be stored in a {tensor.dtype} tensor; pass an integer pad_index."
+            raise ValueError(msg)
+    current = tensor.shape[dim]
+    if size < current:
+        msg = f"pad_tensor: size ({size}) is smaller than the tensor's size {current} along dim {dim}; pass size >= {current}."
+        raise ValueError(msg)
+    if size == current:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = size
+    out = tensor.new_full(shape, pad_index)
+    out.narrow(dim, size - current if pad_first else 0, current).copy_(tensor)
+    return out
+
+
+def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        msg = f"{caller}: dim must be an int; got {dim!r} ({type(dim).__name__})."
+        raise TypeError(msg)
+    if dim < 0:
+        msg = (
+            f"{caller}: dim must be >= 0; got {dim}. Count dims from 0 (no negatives)."
+        )
+        raise ValueError(msg)
+    if not isinstance(pad_index, (int, float)):
+        msg = f"{caller}: pad_index must be a number; got {pad_index!r}; pass an int or a float."
+        raise TypeError(msg)
