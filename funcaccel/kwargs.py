@@ -3,7 +3,9 @@
 Each handler is a keyword-only frozen dataclass validated on construction, so a bad
 value fails where it is written, not deep inside torch. ``to_kwargs()`` returns a
 fresh dict holding only the fields whose value differs from the declared default,
-ready to be splatted into the torch call the handler feeds.
+ready to be splatted into the torch call the handler feeds. ``KwargsHandler`` and
+``ProfileKwargs`` are defined in ``funcaccel._kwargs_base`` and
+``funcaccel._profile_kwargs`` and re-exported here.
 
 >>> GradScalerKwargs(init_scale=1024).to_kwargs()
 {'init_scale': 1024}
@@ -15,10 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-from collections.abc import Callable
 from collections.abc import Mapping
-from collections.abc import Sequence
 from datetime import timedelta
 from enum import Enum
 from types import MappingProxyType
@@ -26,8 +25,17 @@ from typing import Any
 from typing import ClassVar
 from typing import Final
 
-import torch
-import torch.profiler
+from funcaccel._kwargs_base import KwargsHandler
+from funcaccel._kwargs_base import is_bool
+from funcaccel._kwargs_base import is_int
+from funcaccel._kwargs_base import is_real
+from funcaccel._kwargs_base import require_bool
+from funcaccel._kwargs_base import type_name
+from funcaccel._profile_kwargs import PROFILER_ACTIVITIES as PROFILER_ACTIVITIES
+from funcaccel._profile_kwargs import SCHEDULE_KEYS as SCHEDULE_KEYS
+from funcaccel._profile_kwargs import ProfileKwargs
+from funcaccel._profile_kwargs import profiler_activity as profiler_activity
+from funcaccel._profile_kwargs import supported_activities as supported_activities
 
 __all__ = [
     "AutocastKwargs",
@@ -38,56 +46,6 @@ __all__ = [
     "KwargsHandler",
     "ProfileKwargs",
 ]
-
-
-def _is_bool(value: object) -> bool:
-    return isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _type_name(value: object) -> str:
-    return type(value).__name__
-
-
-def _require_bool(owner: str, name: str, value: object) -> None:
-    if not _is_bool(value):
-        msg = f"{owner}: {name} must be a bool; got {value!r} ({_type_name(value)})."
-        raise TypeError(msg)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class KwargsHandler:
-    """Base of the option records: ``to_kwargs()`` returns the non-default fields."""
-
-    _NOT_FORWARDED: ClassVar[frozenset[str]] = frozenset()
-
-    def to_kwargs(self) -> dict[str, Any]:
-        """Return a new dict of the fields whose value differs from its default.
-
-        Fields are listed in declaration order; nothing is read from the
-        environment and nothing derived is added. The record is left unchanged.
-        """
-        out: dict[str, Any] = {}
-        for field in dataclasses.fields(self):
-            if field.name in self._NOT_FORWARDED:
-                continue
-            if field.default is not dataclasses.MISSING:
-                default: object = field.default
-            elif field.default_factory is not dataclasses.MISSING:
-                default = field.default_factory()
-            else:  # pragma: no cover - every handler field has a default
-                default = dataclasses.MISSING
-            value = getattr(self, field.name)
-            if value != default:
-                out[field.name] = value
-        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,9 +61,9 @@ class AutocastKwargs(KwargsHandler):
     cache_enabled: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_bool("AutocastKwargs", "enabled", self.enabled)
+        require_bool("AutocastKwargs", "enabled", self.enabled)
         if self.cache_enabled is not None:
-            _require_bool("AutocastKwargs", "cache_enabled", self.cache_enabled)
+            require_bool("AutocastKwargs", "cache_enabled", self.cache_enabled)
 
 
 class DDPCommunicationHookType(str, Enum):
@@ -151,7 +109,7 @@ POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = MappingProxyType(
 def _as_hook(owner: str, name: str, value: object) -> DDPCommunicationHookType:
     valid = ", ".join(repr(h.value) for h in DDPCommunicationHookType)
     if not isinstance(value, str):
-        msg = f"{owner}: {name} must be a str; got {value!r} ({_type_name(value)})."
+        msg = f"{owner}: {name} must be a str; got {value!r} ({type_name(value)})."
         raise TypeError(msg)
     try:
         return DDPCommunicationHookType(value)
@@ -190,10 +148,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         owner = "DistributedDataParallelKwargs"
-        if not _is_int(self.dim) or self.dim < 0:
+        if not is_int(self.dim) or self.dim < 0:
             msg = f"{owner}: dim must be an int >= 0; got {self.dim!r}."
             raise ValueError(msg)
-        if not _is_real(self.bucket_cap_mb) or not self.bucket_cap_mb > 0:
+        if not is_real(self.bucket_cap_mb) or not self.bucket_cap_mb > 0:
             msg = f"{owner}: bucket_cap_mb must be a number > 0; got {self.bucket_cap_mb!r}."
             raise ValueError(msg)
         for name in (
@@ -203,7 +161,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
             "gradient_as_bucket_view",
             "static_graph",
         ):
-            _require_bool(owner, name, getattr(self, name))
+            require_bool(owner, name, getattr(self, name))
         hook = _as_hook(owner, "comm_hook", self.comm_hook)
         wrapper = _as_hook(owner, "comm_wrapper", self.comm_wrapper)
         if wrapper not in _WRAPPERS:
@@ -221,7 +179,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
         if not isinstance(self.comm_state_option, Mapping):
             msg = (
                 f"{owner}: comm_state_option must be a mapping; got "
-                f"{self.comm_state_option!r} ({_type_name(self.comm_state_option)})."
+                f"{self.comm_state_option!r} ({type_name(self.comm_state_option)})."
             )
             raise TypeError(msg)
         options = dict(self.comm_state_option)
@@ -246,7 +204,7 @@ def _check_power_sgd_options(owner: str, options: Mapping[str, Any]) -> None:
                 f"{owner}: unknown comm_state_option key {key!r}; valid keys: {valid}."
             )
             raise ValueError(msg)
-        ok = {"int": _is_int, "real": _is_real, "bool": _is_bool}[kind](value)
+        ok = {"int": is_int, "real": is_real, "bool": is_bool}[kind](value)
         if not ok or (kind != "bool" and value < 0):
             msg = (
                 f"{owner}: comm_state_option[{key!r}] must be "
@@ -283,12 +241,12 @@ class GradScalerKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         owner = "GradScalerKwargs"
-        if not _is_real(self.init_scale) or not (
+        if not is_real(self.init_scale) or not (
             math.isfinite(self.init_scale) and self.init_scale > 0
         ):
             msg = f"{owner}: init_scale must be a finite number > 0; got {self.init_scale!r}."
             raise ValueError(msg)
-        if not _is_real(self.growth_factor) or not (
+        if not is_real(self.growth_factor) or not (
             math.isfinite(self.growth_factor) and self.growth_factor > 1.0
         ):
             msg = (
@@ -296,19 +254,19 @@ class GradScalerKwargs(KwargsHandler):
                 "Use e.g. 2.0."
             )
             raise ValueError(msg)
-        if not _is_real(self.backoff_factor) or not 0.0 < self.backoff_factor < 1.0:
+        if not is_real(self.backoff_factor) or not 0.0 < self.backoff_factor < 1.0:
             msg = (
                 f"{owner}: backoff_factor must be in (0, 1); got "
                 f"{self.backoff_factor!r}. Use e.g. 0.5."
             )
             raise ValueError(msg)
-        if not _is_int(self.growth_interval) or self.growth_interval < 1:
+        if not is_int(self.growth_interval) or self.growth_interval < 1:
             msg = (
                 f"{owner}: growth_interval must be an int >= 1; got "
                 f"{self.growth_interval!r}."
             )
             raise ValueError(msg)
-        _require_bool(owner, "enabled", self.enabled)
+        require_bool(owner, "enabled", self.enabled)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -329,7 +287,7 @@ class InitProcessGroupKwargs(KwargsHandler):
         for name in ("backend", "init_method"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                msg = f"{owner}: {name} must be a str or None; got {value!r} ({_type_name(value)})."
+                msg = f"{owner}: {name} must be a str or None; got {value!r} ({type_name(value)})."
                 raise TypeError(msg)
             if value == "":
                 msg = f"{owner}: {name} must not be empty; pass None for the default."
@@ -338,174 +296,10 @@ class InitProcessGroupKwargs(KwargsHandler):
             if not isinstance(self.timeout, timedelta):
                 msg = (
                     f"{owner}: timeout must be a datetime.timedelta or None; got "
-                    f"{self.timeout!r} ({_type_name(self.timeout)}). Use e.g. "
+                    f"{self.timeout!r} ({type_name(self.timeout)}). Use e.g. "
                     "timedelta(seconds=600)."
                 )
                 raise TypeError(msg)
             if self.timeout <= timedelta(0):
                 msg = f"{owner}: timeout must be positive; got {self.timeout!r}."
                 raise ValueError(msg)
-
-
-PROFILER_ACTIVITIES: Final[tuple[str, ...]] = ("cpu", "cuda", "xpu", "hpu", "mtia")
-SCHEDULE_KEYS: Final[tuple[str, ...]] = (
-    "wait",
-    "warmup",
-    "active",
-    "repeat",
-    "skip_first",
-    "skip_first_wait",
-)
-
-
-def supported_activities() -> set[torch.profiler.ProfilerActivity]:
-    """Return the profiler activities the running torch can record on this machine."""
-    # torch ships this function without annotations; bind it to a typed name.
-    supported: Callable[[], set[torch.profiler.ProfilerActivity]] = (
-        torch.profiler.supported_activities
-    )
-    return supported()
-
-
-def profiler_activity(name: str) -> torch.profiler.ProfilerActivity:
-    """Map an activity name to the running torch's ``ProfilerActivity``.
-
-    Raises:
-        ValueError: the running torch cannot profile that activity.
-    """
-    member = getattr(torch.profiler.ProfilerActivity, name.upper(), None)
-    supported = supported_activities()
-    if (
-        not isinstance(member, torch.profiler.ProfilerActivity)
-        or member not in supported
-    ):
-        have = ", ".join(sorted(repr(a.name.lower()) for a in supported))
-        msg = (
-            f"ProfileKwargs: activity {name!r} cannot be profiled by this torch "
-            f"build on this machine; supported here: {have}."
-        )
-        raise ValueError(msg)
-    return member
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ProfileKwargs(KwargsHandler):
-    """Options for ``torch.profiler.profile`` and its schedule.
-
-    ``activities`` is a sequence of ``"cpu"``, ``"cuda"``, ``"xpu"``, ``"hpu"``,
-    ``"mtia"`` (stored as a tuple); ``schedule_option`` holds the keyword arguments
-    of ``torch.profiler.schedule`` (stored as a copy); ``output_trace_dir`` is where
-    ``build_profiler`` writes one Chrome trace per rank.
-
-    >>> ProfileKwargs(activities=["cpu"], record_shapes=True).to_kwargs()
-    {'activities': ('cpu',), 'record_shapes': True}
-    """
-
-    activities: Sequence[str] | None = None
-    schedule_option: Mapping[str, int] | None = None
-    on_trace_ready: Callable[[torch.profiler.profile], Any] | None = None
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-    with_flops: bool = False
-    with_modules: bool = False
-    output_trace_dir: str | os.PathLike[str] | None = None
-
-    def __post_init__(self) -> None:
-        owner = "ProfileKwargs"
-        if self.activities is not None:
-            if isinstance(self.activities, str) or not isinstance(
-                self.activities, Sequence
-            ):
-                msg = (
-                    f"{owner}: activities must be a sequence of names such as "
-                    f"['cpu']; got {self.activities!r}."
-                )
-                raise TypeError(msg)
-            valid = ", ".join(repr(a) for a in PROFILER_ACTIVITIES)
-            for activity in self.activities:
-                if activity not in PROFILER_ACTIVITIES:
-                    msg = f"{owner}: unknown activity {activity!r}; valid: {valid}."
-                    raise ValueError(msg)
-            object.__setattr__(self, "activities", tuple(self.activities))
-        if self.schedule_option is not None:
-            object.__setattr__(
-                self, "schedule_option", _checked_schedule(owner, self.schedule_option)
-            )
-        if self.on_trace_ready is not None and not callable(self.on_trace_ready):
-            msg = f"{owner}: on_trace_ready must be callable; got {self.on_trace_ready!r}."
-            raise TypeError(msg)
-        for name in (
-            "record_shapes",
-            "profile_memory",
-            "with_stack",
-            "with_flops",
-            "with_modules",
-        ):
-            _require_bool(owner, name, getattr(self, name))
-        trace_dir = self.output_trace_dir
-        if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
-            msg = (
-                f"{owner}: output_trace_dir must be a path (str or os.PathLike); got "
-                f"{trace_dir!r} ({_type_name(trace_dir)})."
-            )
-            raise TypeError(msg)
-
-    def build(self) -> torch.profiler.profile:
-        """Return an unstarted ``torch.profiler.profile`` configured by this record.
-
-        Raises:
-            ValueError: an activity the running torch cannot profile.
-        """
-        activities = (
-            None
-            if self.activities is None
-            else [profiler_activity(a) for a in self.activities]
-        )
-        schedule = (
-            None
-            if self.schedule_option is None
-            else torch.profiler.schedule(**self.schedule_option)
-        )
-        return torch.profiler.profile(
-            activities=activities,
-            schedule=schedule,
-            on_trace_ready=self.on_trace_ready,
-            record_shapes=self.record_shapes,
-            profile_memory=self.profile_memory,
-            with_stack=self.with_stack,
-            with_flops=self.with_flops,
-            with_modules=self.with_modules,
-        )
-
-
-def _checked_schedule(owner: str, option: Mapping[str, int]) -> dict[str, int]:
-    if not isinstance(option, Mapping):
-        msg = f"{owner}: schedule_option must be a mapping; got {option!r}."
-        raise TypeError(msg)
-    unknown = [k for k in option if k not in SCHEDULE_KEYS]
-    if unknown:
-        msg = (
-            f"{owner}: unknown schedule_option key {unknown[0]!r}; valid keys: "
-            f"{', '.join(SCHEDULE_KEYS)}."
-        )
-        raise ValueError(msg)
-    missing = [k for k in ("wait", "warmup", "active") if k not in option]
-    if missing:
-        msg = (
-            f"{owner}: schedule_option needs 'wait', 'warmup' and 'active'; "
-            f"missing {', '.join(repr(k) for k in missing)}."
-        )
-        raise ValueError(msg)
-    for key, value in option.items():
-        if not _is_int(value) or value < 0:
-            msg = (
-                f"{owner}: schedule_option[{key!r}] must be an int >= 0; got {value!r}."
-            )
-            raise ValueError(msg)
-    if option["active"] < 1:
-        msg = (
-            f"{owner}: schedule_option['active'] must be >= 1; got {option['active']}."
-        )
-        raise ValueError(msg)
-    return dict(option)
