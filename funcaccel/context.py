@@ -24,6 +24,9 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
+from funcaccel._env import check_mixed_precision
+from funcaccel._env import env_int
+from funcaccel._env import rendezvous_init_method
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel._typing import MixedPrecision
 from funcaccel.kwargs import InitProcessGroupKwargs
@@ -206,60 +209,6 @@ def effective_timeout(init_kwargs: InitProcessGroupKwargs, backend: str) -> time
     return NCCL_DEFAULT_TIMEOUT if backend == "nccl" else OTHER_DEFAULT_TIMEOUT
 
 
-def _env_int(environ: Mapping[str, str], name: str) -> int:
-    raw = environ.get(name)
-    if raw is None:
-        msg = (
-            f"context_from_env: {name} is not set but WORLD_SIZE={environ.get('WORLD_SIZE')!r}; "
-            "launch with torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK."
-        )
-        raise ValueError(msg)
-    try:
-        return int(raw)
-    except ValueError:
-        msg = f"context_from_env: {name} must be an integer; got {raw!r}."
-        raise ValueError(msg) from None
-
-
-def _check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
-    if mixed_precision not in MIXED_PRECISION_MODES:
-        msg = (
-            f"context_from_env: mixed_precision must be one of 'no', 'fp16', 'bf16'; "
-            f"got {mixed_precision!r} (fp8 is not supported)."
-        )
-        raise ValueError(msg)
-    if mixed_precision == "bf16" and device.type == "cuda":
-        if not torch.cuda.is_bf16_supported():
-            msg = (
-                f"context_from_env: mixed_precision='bf16' but {device} "
-                f"({torch.cuda.get_device_name(device)}) does not support bfloat16; "
-                "use mixed_precision='fp16' or 'no'."
-            )
-            raise ValueError(msg)
-    if mixed_precision == "fp16" and device.type == "cpu":
-        problem = _cpu_fp16_problem()
-        if problem is not None:
-            msg = (
-                f"context_from_env: mixed_precision='fp16' on CPU is not possible "
-                f"with torch {torch.__version__}: {problem}; use 'bf16' or 'no'."
-            )
-            raise ValueError(msg)
-
-
-def _cpu_fp16_problem() -> str | None:
-    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
-        return "torch.amp.GradScaler is missing"
-    try:
-        torch.amp.GradScaler("cpu")
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = torch.ones(2, 2) @ torch.ones(2, 2)
-    except (RuntimeError, TypeError, ValueError) as error:
-        return str(error)
-    if out.dtype != torch.float16:
-        return f"autocast produced {out.dtype}, not torch.float16"
-    return None
-
-
 def context_from_env(
     environ: Mapping[str, str],
     *,
@@ -296,13 +245,13 @@ def context_from_env(
     world = environ.get("WORLD_SIZE")
     if world is None or world.strip() == "1":
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-        _check_mixed_precision(mixed_precision, device)
+        check_mixed_precision(mixed_precision, device)
         return DistributedContext(device=device, mixed_precision=mixed_precision)
-    num_processes = _env_int(environ, "WORLD_SIZE")
-    rank = _env_int(environ, "RANK")
-    local_rank = _env_int(environ, "LOCAL_RANK")
+    num_processes = env_int(environ, "WORLD_SIZE")
+    rank = env_int(environ, "RANK")
+    local_rank = env_int(environ, "LOCAL_RANK")
     if "LOCAL_WORLD_SIZE" in environ:
-        local_world = _env_int(environ, "LOCAL_WORLD_SIZE")
+        local_world = env_int(environ, "LOCAL_WORLD_SIZE")
         if not 0 <= local_rank < local_world:
             msg = (
                 f"context_from_env: LOCAL_RANK ({local_rank}) must be in "
@@ -315,7 +264,7 @@ def context_from_env(
     else:
         device = torch.device("cpu")
         kind = DistributedType.MULTI_CPU
-    _check_mixed_precision(mixed_precision, device)
+    check_mixed_precision(mixed_precision, device)
     backend = effective_backend(init_kwargs or InitProcessGroupKwargs(), device)
     try:
         return DistributedContext(
@@ -360,27 +309,6 @@ def require_process_group(ctx: DistributedContext, caller: str) -> None:
         raise RuntimeError(msg)
 
 
-def _init_method(kwargs: InitProcessGroupKwargs, environ: Mapping[str, str]) -> str:
-    """The rendezvous: the handler's, else MASTER_ADDR/MASTER_PORT from ``environ``.
-
-    Reading ``os.environ`` itself, torch's ``env://`` also joins the store that
-    torchrun's agent keeps; for any other mapping the address is spelled out.
-    """
-    if kwargs.init_method is not None:
-        return kwargs.init_method
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
-    if missing:
-        msg = (
-            f"build_context: the default rendezvous needs {' and '.join(missing)} in "
-            "the environment; launch with torchrun or pass "
-            "InitProcessGroupKwargs(init_method=...)."
-        )
-        raise ValueError(msg)
-    if environ is os.environ:
-        return "env://"
-    return f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
-
-
 def build_context(
     *,
     mixed_precision: MixedPrecision = "no",
@@ -423,7 +351,7 @@ def build_context(
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     backend = ctx.backend or effective_backend(kwargs, ctx.device)
-    init_method = _init_method(kwargs, env)
+    init_method = rendezvous_init_method(kwargs, env)
     dist.init_process_group(
         backend,
         init_method=init_method,

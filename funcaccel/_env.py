@@ -1,0 +1,101 @@
+"""What ``context_from_env`` and ``build_context`` read from outside the process.
+
+torchrun's variables come from the ``environ`` mapping the caller passes (nothing
+here reads ``os.environ`` on its own); ``check_mixed_precision`` asks torch whether
+the chosen device can run the mode, so the failure names the device instead of
+surfacing in the first forward pass.
+
+>>> env_int({"WORLD_SIZE": "2", "RANK": "1"}, "RANK")
+1
+>>> rendezvous_init_method(InitProcessGroupKwargs(), {"MASTER_ADDR": "h", "MASTER_PORT": "1"})
+'tcp://h:1'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from funcaccel._typing import MIXED_PRECISION_MODES
+from funcaccel.kwargs import InitProcessGroupKwargs
+
+__all__ = ["check_mixed_precision", "env_int", "rendezvous_init_method"]
+
+
+def env_int(environ: Mapping[str, str], name: str) -> int:
+    raw = environ.get(name)
+    if raw is None:
+        msg = (
+            f"context_from_env: {name} is not set but WORLD_SIZE={environ.get('WORLD_SIZE')!r}; "
+            "launch with torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK."
+        )
+        raise ValueError(msg)
+    try:
+        return int(raw)
+    except ValueError:
+        msg = f"context_from_env: {name} must be an integer; got {raw!r}."
+        raise ValueError(msg) from None
+
+
+def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
+    if mixed_precision not in MIXED_PRECISION_MODES:
+        msg = (
+            f"context_from_env: mixed_precision must be one of 'no', 'fp16', 'bf16'; "
+            f"got {mixed_precision!r} (fp8 is not supported)."
+        )
+        raise ValueError(msg)
+    if mixed_precision == "bf16" and device.type == "cuda":
+        if not torch.cuda.is_bf16_supported():
+            msg = (
+                f"context_from_env: mixed_precision='bf16' but {device} "
+                f"({torch.cuda.get_device_name(device)}) does not support bfloat16; "
+                "use mixed_precision='fp16' or 'no'."
+            )
+            raise ValueError(msg)
+    if mixed_precision == "fp16" and device.type == "cpu":
+        problem = _cpu_fp16_problem()
+        if problem is not None:
+            msg = (
+                f"context_from_env: mixed_precision='fp16' on CPU is not possible "
+                f"with torch {torch.__version__}: {problem}; use 'bf16' or 'no'."
+            )
+            raise ValueError(msg)
+
+
+def _cpu_fp16_problem() -> str | None:
+    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
+        return "torch.amp.GradScaler is missing"
+    try:
+        torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = torch.ones(2, 2) @ torch.ones(2, 2)
+    except (RuntimeError, TypeError, ValueError) as error:
+        return str(error)
+    if out.dtype != torch.float16:
+        return f"autocast produced {out.dtype}, not torch.float16"
+    return None
+
+
+def rendezvous_init_method(
+    kwargs: InitProcessGroupKwargs, environ: Mapping[str, str]
+) -> str:
+    """The rendezvous: the handler's, else MASTER_ADDR/MASTER_PORT from ``environ``.
+
+    Reading ``os.environ`` itself, torch's ``env://`` also joins the store that
+    torchrun's agent keeps; for any other mapping the address is spelled out.
+    """
+    if kwargs.init_method is not None:
+        return kwargs.init_method
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if missing:
+        msg = (
+            f"build_context: the default rendezvous needs {' and '.join(missing)} in "
+            "the environment; launch with torchrun or pass "
+            "InitProcessGroupKwargs(init_method=...)."
+        )
+        raise ValueError(msg)
+    if environ is os.environ:
+        return "env://"
+    return f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
