@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING
+from typing import TypeGuard
 
-from typing_extensions import TypeGuard
 from typing_extensions import TypeIs
 
 if TYPE_CHECKING:
