@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import IO
 from typing import Final
 
+from funcaccel._mlflow import MLflowTracker as MLflowTracker
+
 # TensorBoardTracker lives in its own module (it imports tensorboard lazily); it is
 # re-exported here so that every built-in tracker is found in one place.
 from funcaccel._trackers_optional import TensorBoardTracker
