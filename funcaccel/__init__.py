@@ -72,6 +72,7 @@ from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
 from funcaccel.trackers import CSVTracker
 from funcaccel.trackers import JSONLTracker
+from funcaccel.trackers import MLflowTracker
 from funcaccel.trackers import TensorBoardTracker
 from funcaccel.tracking import ConfigValue
 from funcaccel.tracking import InMemoryTracker
@@ -105,6 +106,7 @@ __all__ = [
     "LoadedState",
     "LoaderState",
     "LogRecord",
+    "MLflowTracker",
     "MetricValue",
     "ProfileKwargs",
     "Reduction",

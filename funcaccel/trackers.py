@@ -1,4 +1,4 @@
-"""Built-in trackers that write files: JSON lines, CSV and TensorBoard.
+"""Built-in trackers that write files: JSON lines, CSV, TensorBoard and MLflow.
 
 Each satisfies ``funcaccel.tracking.Tracker`` and is called through ``log_metrics``,
 ``store_config`` and ``finish_trackers``. None touches the disk (or imports an
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 from typing import Final
 
-from funcaccel._mlflow import MLflowTracker as MLflowTracker
+from funcaccel._mlflow import MLflowTracker
 
 # TensorBoardTracker lives in its own module (it imports tensorboard lazily); it is
 # re-exported here so that every built-in tracker is found in one place.
@@ -36,6 +36,7 @@ from funcaccel.tracking import normalize_metrics
 __all__ = [
     "CSVTracker",
     "JSONLTracker",
+    "MLflowTracker",
     "TensorBoardTracker",
 ]
 
