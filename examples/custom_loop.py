@@ -13,6 +13,7 @@ gradients; ``advance_grad_state`` returns the next ``GradState``.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 from torch import nn
@@ -20,26 +21,26 @@ from torch.nn.functional import mse_loss
 from torch.utils.data import DataLoader
 from torch.utils.data import TensorDataset
 
+from funcaccel import Batch
 from funcaccel import DistributedContext
 from funcaccel import GradScalerKwargs
+from funcaccel import GradState
+from funcaccel import LoaderState
+from funcaccel import advance_grad_state
+from funcaccel import autocast_ctx
 from funcaccel import build_context
+from funcaccel import build_grad_scaler
+from funcaccel import clip_grad_norm_
 from funcaccel import close_context
+from funcaccel import iter_batches
+from funcaccel import optimizer_step
 from funcaccel import reduce
+from funcaccel import rescale_grads_
+from funcaccel import shard_loader
+from funcaccel import should_sync
+from funcaccel import sync_ctx
+from funcaccel import window_grad_factor
 from funcaccel import wrap_model
-from funcaccel.accumulate import GradState
-from funcaccel.accumulate import advance_grad_state
-from funcaccel.accumulate import should_sync
-from funcaccel.accumulate import sync_ctx
-from funcaccel.accumulate import window_grad_factor
-from funcaccel.loader import Batch
-from funcaccel.loader import LoaderState
-from funcaccel.loader import iter_batches
-from funcaccel.loader import shard_loader
-from funcaccel.mixed_precision import autocast_ctx
-from funcaccel.mixed_precision import build_grad_scaler
-from funcaccel.mixed_precision import clip_grad_norm_
-from funcaccel.mixed_precision import optimizer_step
-from funcaccel.mixed_precision import rescale_grads_
 
 
 def micro_step(
@@ -70,18 +71,8 @@ def micro_step(
     return loss.detach(), skipped, after
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--accumulation-steps", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument(
-        "--mixed-precision", default="no", choices=("no", "bf16", "fp16")
-    )
-    args = parser.parse_args()
-
-    ctx = build_context(mixed_precision=args.mixed_precision)
+def train(ctx: DistributedContext, args: argparse.Namespace) -> str:
+    """Train as the arguments say; return the result line to print."""
     torch.manual_seed(0)  # the same data on every rank; DDP also syncs the weights
     x = torch.randn(args.samples, 8)
     y = x @ torch.randn(8, 1) * 0.5 + 0.1 * torch.randn(args.samples, 1)
@@ -101,13 +92,36 @@ def main() -> None:
             skipped_steps += skipped
         mean = reduce(ctx, torch.stack(epoch_losses).mean(), reduction="mean")
         losses.append(mean.item())
+    return (
+        f"custom_loop: processes={ctx.num_processes} first_loss={losses[0]:.6f} "
+        f"final_loss={losses[-1]:.6f} optimizer_steps={grad.optimizer_steps} "
+        f"skipped_steps={skipped_steps}"
+    )
+
+
+def main() -> None:
+    """Parse the sizes, train, print the result on the main process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--accumulation-steps", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument(
+        "--mixed-precision", default="no", choices=("no", "bf16", "fp16")
+    )
+    args = parser.parse_args()
+
+    ctx = build_context(mixed_precision=args.mixed_precision)
+    try:
+        result = train(ctx, args)
+        # Free the wrapped model before close_context. DDP sits in a reference
+        # cycle, and freed after its gloo group it can hang or abort the exit
+        # with torch 2.13 (its destructor joins gloo's threads holding the GIL).
+        gc.collect()
+    finally:
+        close_context(ctx)
     if ctx.is_main_process:
-        print(
-            f"custom_loop: processes={ctx.num_processes} first_loss={losses[0]:.6f} "
-            f"final_loss={losses[-1]:.6f} optimizer_steps={grad.optimizer_steps} "
-            f"skipped_steps={skipped_steps}"
-        )
-    close_context(ctx)
+        print(result)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -23,16 +24,16 @@ from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset
 
 from funcaccel import DistributedContext
+from funcaccel import GradState
+from funcaccel import LoaderState
+from funcaccel import ShardedLoader
+from funcaccel import accumulate_step
 from funcaccel import build_context
 from funcaccel import close_context
 from funcaccel import gather_for_metrics
+from funcaccel import iter_batches
+from funcaccel import shard_loader
 from funcaccel import wrap_model
-from funcaccel.accumulate import GradState
-from funcaccel.accumulate import accumulate_step
-from funcaccel.loader import LoaderState
-from funcaccel.loader import ShardedLoader
-from funcaccel.loader import iter_batches
-from funcaccel.loader import shard_loader
 
 Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # features, label, sample id
 
@@ -74,14 +75,8 @@ def evaluate(
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args()
-
-    ctx = build_context()
+def train(ctx: DistributedContext, args: argparse.Namespace) -> str:
+    """Train as the arguments say; return the result line to print."""
     torch.manual_seed(0)  # the same initial weights everywhere; DDP syncs them too
     model = wrap_model(ctx, nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -97,14 +92,33 @@ def main() -> None:
                 ctx, grad, model, optimizer, loss_fn, end_of_dataloader=batch.is_last
             )
     after = evaluate(ctx, model, loader)
+    return (
+        f"iterable_dispatch: processes={ctx.num_processes} "
+        f"samples={after['id'].numel()} unique={len(set(after['id'].tolist()))} "
+        f"first_loss={before['loss'].mean():.6f} final_loss={after['loss'].mean():.6f} "
+        f"accuracy={after['correct'].mean():.4f} optimizer_steps={grad.optimizer_steps}"
+    )
+
+
+def main() -> None:
+    """Parse the sizes, train, print the result on the main process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+
+    ctx = build_context()
+    try:
+        result = train(ctx, args)
+        # Free the wrapped model before close_context. DDP sits in a reference
+        # cycle, and freed after its gloo group it can hang or abort the exit
+        # with torch 2.13 (its destructor joins gloo's threads holding the GIL).
+        gc.collect()
+    finally:
+        close_context(ctx)
     if ctx.is_main_process:
-        print(
-            f"iterable_dispatch: processes={ctx.num_processes} "
-            f"samples={after['id'].numel()} unique={len(set(after['id'].tolist()))} "
-            f"first_loss={before['loss'].mean():.6f} final_loss={after['loss'].mean():.6f} "
-            f"accuracy={after['correct'].mean():.4f} optimizer_steps={grad.optimizer_steps}"
-        )
-    close_context(ctx)
+        print(result)
 
 
 if __name__ == "__main__":
