@@ -104,9 +104,9 @@ def main() -> None:
     ctx = build_context(cpu=True)  # gloo, even on a machine with GPUs
     try:
         result = train(ctx, args)
-        # Free the wrapped model before close_context. DDP sits in a reference
-        # cycle, and freed after its gloo group it can hang or abort the exit
-        # with torch 2.13 (its destructor joins gloo's threads holding the GIL).
+        # Free the wrapped model before close_context: DDP sits in a reference
+        # cycle, and when torch 2.13 frees it after its gloo group, its destructor
+        # can wait for gloo's threads while holding the GIL they need (a hang).
         gc.collect()
     finally:
         close_context(ctx)
