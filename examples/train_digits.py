@@ -129,6 +129,15 @@ def epochs_from(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ctx = fa.build_context(mixed_precision="bf16" if args.bf16 else "no")
+    try:
+        # The model lives inside train(), so DDP is freed before the group closes.
+        train(ctx, args)
+    finally:
+        fa.close_context(ctx)
+
+
+def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
+    """Train, evaluate and print the results (on the main process)."""
     train_set, test_set = digits_split(args.seed)
     if args.train_samples is not None:
         train_set = TensorDataset(*(t[: args.train_samples] for t in train_set.tensors))
@@ -198,7 +207,6 @@ def main(argv: list[str] | None = None) -> None:
             if stopping:
                 if ctx.is_main_process:
                     print(f"stopped after {step} optimizer steps")
-                fa.close_context(ctx)
                 return
     accuracy = evaluate(ctx, model, test_loader)
     fa.log_metrics(
@@ -209,7 +217,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"optimizer_steps: {grad.optimizer_steps}")
         print(f"test_accuracy: {accuracy:.4f}")
         print(f"param_sha256: {param_digest(model)}")
-    fa.close_context(ctx)
 
 
 if __name__ == "__main__":

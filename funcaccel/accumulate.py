@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -289,11 +290,20 @@ def accumulate_step(
     synced = grad.micro_step + 1 == k or (
         grad.sync_with_dataloader and end_of_dataloader
     )
-    if ctx.num_processes > 1:
+    if ctx.num_processes > 1 and not dist.is_initialized():
+        # The full check (world size and rank) is for wrap_model, at set-up; per
+        # micro-step only the group's presence is checked, which costs nothing.
         require_process_group(ctx, "accumulate_step")
     if ctx.num_processes > 1 and not synced and not grad.sync_each_batch:
-        with _no_sync(models):  # should_skip_grad_sync
-            loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+        single = models[0] if len(models) == 1 else None
+        if isinstance(
+            single, DistributedDataParallel
+        ):  # the usual case, entered directly
+            with single.no_sync():
+                loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+        else:
+            with _no_sync(models):  # should_skip_grad_sync
+                loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     else:  # no null context: entering one costs more than the rest of the checks
         loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     skipped = False

@@ -35,7 +35,7 @@ _LAUNCHER_VARS: Final = frozenset(
 # interpreter exit, when a gloo worker thread is still freeing the last collective's
 # buffers (it needs the GIL, which finalization no longer hands out; DDP keeps the
 # group's threads alive past destroy_process_group). Seen in about 1 run in 20 on
-# a loaded 2-core machine; see pytorch/pytorch#179291. Such a run is retried once.
+# a loaded 2-core machine. Such a run is retried once.
 _EXIT_RACE: Final = "terminate called without an active exception"
 PROCESSES: Final = [
     pytest.param(1, id="1-process"),
