@@ -13,7 +13,6 @@ gradients; ``advance_grad_state`` returns the next ``GradState``.
 from __future__ import annotations
 
 import argparse
-import gc
 
 import torch
 from torch import nn
@@ -114,10 +113,6 @@ def main() -> None:
     ctx = build_context(mixed_precision=args.mixed_precision)
     try:
         result = train(ctx, args)
-        # Free the wrapped model before close_context: DDP sits in a reference
-        # cycle, and when torch 2.13 frees it after its gloo group, its destructor
-        # can wait for gloo's threads while holding the GIL they need (a hang).
-        gc.collect()
     finally:
         close_context(ctx)
     if ctx.is_main_process:

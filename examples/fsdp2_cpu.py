@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 
 import torch
 from torch import nn
@@ -104,10 +103,6 @@ def main() -> None:
     ctx = build_context(cpu=True)  # gloo, even on a machine with GPUs
     try:
         result = train(ctx, args)
-        # Free the wrapped model before close_context: DDP sits in a reference
-        # cycle, and when torch 2.13 frees it after its gloo group, its destructor
-        # can wait for gloo's threads while holding the GIL they need (a hang).
-        gc.collect()
     finally:
         close_context(ctx)
     if ctx.is_main_process:

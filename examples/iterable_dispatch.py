@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 from collections.abc import Iterator
 
 import torch
@@ -111,10 +110,6 @@ def main() -> None:
     ctx = build_context()
     try:
         result = train(ctx, args)
-        # Free the wrapped model before close_context: DDP sits in a reference
-        # cycle, and when torch 2.13 frees it after its gloo group, its destructor
-        # can wait for gloo's threads while holding the GIL they need (a hang).
-        gc.collect()
     finally:
         close_context(ctx)
     if ctx.is_main_process:

@@ -15,6 +15,7 @@ rank, without starting a process group:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -365,7 +366,12 @@ def build_context(
 def close_context(ctx: DistributedContext) -> None:
     """End the default process group ``ctx`` runs in (a no-op with one process).
 
-    Safe to call twice; call it at the end of a script started by torchrun.
+    Safe to call twice; call it at the end of a script started by torchrun, after
+    the training function that held the models has returned. Unreachable objects
+    are collected first: a DDP module sits in a reference cycle, and with torch 2.13
+    on gloo, freeing it after its group is gone can hang (its destructor waits for
+    gloo's threads while holding the GIL they need).
     """
     if ctx.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
