@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from funcaccel import _layout
-from funcaccel._fsdp import is_fsdp_module
+from funcaccel._lazy import is_fsdp_module
 from funcaccel._manifest import FileEntry
 from funcaccel._rng import capture_rng_state
 from funcaccel._typing import Stateful

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from funcaccel._lazy import is_fsdp_module as _is_fsdp_module
+from funcaccel._lazy import is_fsdp_module
 from funcaccel._lazy import is_instance_if_loaded
 from funcaccel.context import DistributedContext
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     # Imported for real only when sharding: the package takes seconds to import.
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["FSDPOptions", "check_fsdp_options", "is_fsdp_module", "shard_model"]
+__all__ = ["FSDPOptions", "check_fsdp_options", "shard_model"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,15 +126,6 @@ def check_fsdp_options(
             f"the world size ({world}); use a divisor of {world}, or True/False."
         )
         raise ValueError(msg)
-
-
-def is_fsdp_module(module: nn.Module) -> bool:
-    """Return whether ``fully_shard`` has been applied to ``module``.
-
-    >>> is_fsdp_module(nn.Linear(1, 1))
-    False
-    """
-    return _is_fsdp_module(module)
 
 
 def shard_model(

@@ -40,7 +40,12 @@ def is_instance_if_loaded(obj: object, module_name: str, class_name: str) -> boo
 
 
 def is_fsdp_module(module: nn.Module) -> TypeGuard[FSDPModule]:
-    """Return whether ``fully_shard`` (FSDP2) has been applied to ``module``."""
+    """Return whether ``fully_shard`` (FSDP2) has been applied to ``module``.
+
+    >>> from torch import nn
+    >>> is_fsdp_module(nn.Linear(1, 1))
+    False
+    """
     return is_instance_if_loaded(module, "torch.distributed.fsdp", "FSDPModule")
 
 

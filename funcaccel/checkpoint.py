@@ -60,9 +60,9 @@ from torch import nn
 from funcaccel import _dcp
 from funcaccel import _layout
 from funcaccel._dcp import Stateful
-from funcaccel._fsdp import is_fsdp_module
 from funcaccel._layout import latest_checkpoint
 from funcaccel._layout import list_checkpoints
+from funcaccel._lazy import is_fsdp_module
 from funcaccel._manifest import SCHEMA_VERSION
 from funcaccel._manifest import CheckpointMeta
 from funcaccel._manifest import FileEntry

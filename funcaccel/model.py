@@ -37,8 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._fsdp import FSDPOptions
 from funcaccel._fsdp import check_fsdp_options
-from funcaccel._fsdp import is_fsdp_module
 from funcaccel._fsdp import shard_model
+from funcaccel._lazy import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.kwargs import DDPCommunicationHookType
