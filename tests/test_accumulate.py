@@ -596,6 +596,54 @@ def test_non_sync_micro_steps_never_step_or_zero() -> None:
     assert all(p.grad is None for p in net.parameters())
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(1, 67),
+    dtype=st.sampled_from(
+        [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+    ),
+    shape=st.sampled_from([(), (1,), (1, 1)]),
+    seed=st.integers(0, 2**16),
+)
+def test_micro_step_gradients_equal_backward_of_loss_over_k_bit_for_bit(
+    k: int, dtype: torch.dtype, shape: tuple[int, ...], seed: int
+) -> None:
+    # accumulate_step seeds backward with 1/k instead of dividing the loss; the
+    # gradients must be exactly those of the hand-written backward(loss / k).
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 3, generator=gen, dtype=dtype)
+    y = torch.randn(5, 2, generator=gen, dtype=dtype)
+    net, ref = _net(seed, dtype), _net(seed, dtype)
+
+    def loss_of(model: nn.Module) -> torch.Tensor:
+        return mse_loss(model(x), y).reshape(shape)
+
+    grad = GradState(accumulation_steps=k + 1)  # never closes: grads stay visible
+    for _ in range(min(k, 3)):
+        _, grad = accumulate_step(
+            ONE, grad, net, _sgd(net.parameters()), lambda: loss_of(net)
+        )
+        torch.autograd.backward(loss_of(ref) / (k + 1))
+    for got, want in zip(net.parameters(), ref.parameters(), strict=True):
+        assert got.grad is not None and want.grad is not None
+        assert torch.equal(got.grad, want.grad)
+
+
+def test_a_leaf_or_subclass_loss_gets_the_gradient_of_loss_over_k() -> None:
+    # A loss that is a leaf (or a tensor subclass) takes the plain loss / k path;
+    # the shared 1/k seed of the other losses must come out of it unchanged.
+    w = nn.Parameter(torch.tensor(2.0, dtype=F64))
+    opt = torch.optim.SGD([w], lr=0.0)
+    leaf = torch.tensor(3.0, dtype=F64, requires_grad=True)
+    grad = GradState(accumulation_steps=4)
+    _, grad = accumulate_step(ONE, grad, nn.Module(), opt, lambda: w * 1.0)
+    _, grad = accumulate_step(ONE, grad, nn.Module(), opt, lambda: leaf)
+    assert leaf.grad is not None and leaf.grad.item() == 0.25
+    leaf.grad.add_(1.0)  # the user changes the leaf's gradient in place
+    _, grad = accumulate_step(ONE, grad, nn.Module(), opt, lambda: w * 1.0)
+    assert w.grad is not None and w.grad.item() == 0.5
+
+
 def test_custom_loop_from_the_public_pieces_matches_accumulate_step() -> None:
     x, y = _data(7)
     batches = _chunks(7, 1)
