@@ -74,8 +74,9 @@ class Setup:
     drop_last: bool
     total_batch_size: int | None  # G
     base: BaseIndices | None  # map-style data only
-    inner: DataLoader[Any] | None  # None on ranks > 0 when dispatching
-    slot: IndexSlot | None  # the inner loader's index sampler (map-style data)
+    # None on ranks > 0 when dispatching; for map-style data its (batch) sampler is
+    # an IndexSlot, loaded with each epoch's indices (read_batches)
+    inner: DataLoader[Any] | None
     counted: bool  # the inner loader yields (batch, samples read) pairs
     sync_generator: torch.Generator | None
     reseed_generator: torch.Generator | None
@@ -254,7 +255,6 @@ def build_setup(
     # so ranks that synchronised "torch" stay in step even when only rank 0 reads.
     kept["generator"] = worker_generator = torch.Generator()
     base: BaseIndices | None = None
-    slot: IndexSlot | None = None
     inner: DataLoader[Any] | None = None
     counted = False
     if iterable:
@@ -316,7 +316,6 @@ def build_setup(
         total_batch_size=total,
         base=base,
         inner=inner,
-        slot=slot,
         counted=counted,
         sync_generator=None if base is None else base.generator,
         reseed_generator=_reseeded_generator(dataset) if iterable else None,

@@ -17,6 +17,7 @@ from funcaccel._comm import sync_rng_states
 from funcaccel._dispatch import dispatch_epoch
 from funcaccel._epoch import IndexedBatches
 from funcaccel._epoch import fetch_batch
+from funcaccel._epoch import read_batches
 from funcaccel._epoch import skip_items
 from funcaccel._loader_setup import Setup
 from funcaccel._loader_state import Batch
@@ -108,10 +109,10 @@ def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
         batches = iter(setup.inner)
         _consume(batches, skip)
         return batches
-    assert setup.slot is not None
     ctx, stream = setup.ctx, setup.base.for_epoch(epoch)
+    indices: Iterator[Any]
     if ctx.num_processes == 1:
-        setup.slot.load_(skip_items(stream, skip))
+        indices = skip_items(stream, skip)
     else:
         shard = shard_batch_sampler(
             stream,
@@ -120,8 +121,8 @@ def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
             split_batches=setup.split_batches,
             even_batches=setup.even_batches,
         )
-        setup.slot.load_(shard.iter_from(skip))
-    return iter(setup.inner)
+        indices = shard.iter_from(skip)
+    return read_batches(setup.inner, indices, batched=setup.base.batched)
 
 
 def local_batches(setup: Setup, epoch: int) -> Iterator[Any]:
@@ -159,7 +160,6 @@ def _dispatch_base(
             _consume(batches, skip - len(head))
         yield from batches
         return
-    assert setup.slot is not None
     stream = setup.base.for_epoch(epoch)
     indices: Iterator[Any]
     if skip and isinstance(stream, (IndexedBatches, list, range)):
@@ -171,8 +171,7 @@ def _dispatch_base(
         if skip:
             head[:] = itertools.islice(indices, head_count)
             _consume(indices, skip - len(head))
-    setup.slot.load_(indices)
-    yield from setup.inner
+    yield from read_batches(setup.inner, indices, batched=setup.base.batched)
 
 
 def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:

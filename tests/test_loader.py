@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset
 from torch.utils.data import IterableDataset
@@ -236,6 +237,105 @@ def test_one_process_yields_the_original_batches(
     assert len(loader) == len(make())
     assert loader.total_batch_size == bs
     assert loader.dispatch_batches is False
+
+
+class GetItems(Dataset[tuple[int, str]]):
+    """A dataset with ``__getitems__``, logging every read."""
+
+    def __init__(self, n: int, reads: list[object]) -> None:
+        self.n, self.reads = n, reads
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[int, str]:
+        self.reads.append(index)
+        if index == 13:
+            raise KeyError(index)
+        return index, f"s{index}"
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, str]]:
+        self.reads.append(tuple(indices))
+        return [self[i] for i in indices]
+
+
+class PlainItems(GetItems):
+    __getitems__ = None  # type: ignore[assignment]  # torch's fetcher skips it
+
+
+def plain(batch: object) -> object:
+    """``batch`` with its tensors as lists, for comparing with ``==``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if isinstance(batch, (list, tuple)):
+        return [plain(item) for item in batch]
+    return batch
+
+
+@pytest.mark.parametrize("items", [GetItems, PlainItems])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_size": 3},
+        {"batch_size": 4, "drop_last": True, "collate_fn": list},
+        {"batch_size": None},
+        {"batch_size": None, "collate_fn": repr},
+        {"batch_sampler": [[5, 0], [2], [7, 1, 3]]},
+        {"sampler": [6, 2, 4, 0], "batch_size": 3},
+    ],
+)
+def test_one_process_reads_exactly_as_the_dataloader_does(
+    items: type[GetItems], options: dict[str, Any]
+) -> None:
+    # With no workers the loader reads in this process without torch's loader
+    # iterator: the same batches from the same dataset calls, in the same order.
+    want_reads: list[object] = []
+    want = [plain(b) for b in DataLoader(items(10, want_reads), **options)]
+    got_reads: list[object] = []
+    loader = shard_loader(ctx_for(1), DataLoader(items(10, got_reads), **options))
+    assert [plain(b) for b in loader] == want
+    assert got_reads == want_reads
+    got_reads.clear()
+    assert [plain(batch.data) for batch in iter_batches(loader)] == want
+    assert got_reads == want_reads
+
+
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_a_dataset_error_reaches_the_caller_unchanged(batch_size: int | None) -> None:
+    failing = DataLoader(GetItems(14, []), batch_size=batch_size)
+    with pytest.raises(KeyError, match="13"):
+        list(failing)
+    with pytest.raises(KeyError, match="13"):
+        list(shard_loader(ctx_for(1), failing))
+
+
+def test_reads_are_labelled_in_a_profile_as_torch_labels_them() -> None:
+    loader = shard_loader(ctx_for(1), DataLoader(GetItems(7, []), batch_size=2))
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        batches = list(loader)
+    labels = [event.name for event in prof.events()]
+    assert len(batches) == 4
+    assert labels.count("enumerate(DataLoader)#ShardedLoader.__next__") == 4
+    assert [plain(b) for b in loader] == [plain(b) for b in batches]  # unprofiled
+
+
+def test_reading_in_process_and_in_workers_give_the_same_shards() -> None:
+    for rank in (0, 1):
+        loaders = [
+            shard_loader(
+                ctx_for(2, rank),
+                DataLoader(
+                    GetItems(11, []), batch_size=2, shuffle=True, num_workers=workers
+                ),
+                seed=5,
+            )
+            for workers in (0, 1)
+        ]
+        in_process, in_worker = (
+            [plain(b.data) for b in iter_batches(x)] for x in loaders
+        )
+        assert in_process == in_worker
+        assert len(in_process) == 3
 
 
 # ------------------------------------------------------------- §4.2 epoch order
