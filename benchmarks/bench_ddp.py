@@ -254,6 +254,8 @@ def main() -> None:
             raise SystemExit(f"bench_ddp: workers exited with {codes}")
         result = json.loads(Path(tmp, "result.json").read_text())
     print(report(args, result))
+    if not result["same"]:
+        raise SystemExit("bench_ddp: the plain and funcaccel models differ")
 
 
 if __name__ == "__main__":

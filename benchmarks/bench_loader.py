@@ -5,7 +5,8 @@ alike), the median and spread of:
 
 - one epoch of a map-style dataset of tensors (batch 32, no workers): the plain
   ``DataLoader``, ``for batch in shard_loader(...)`` and ``iter_batches(...)``,
-  sequential and shuffled;
+  sequential and shuffled, and the plain loader once more as a noise control
+  (its ratio to itself shows how far the machine's noise moves a ratio);
 - the cost of resuming at 0 %, 50 % and 90 % of an epoch: the time until
   ``iter_batches(loader, state)`` yields its first batch, next to what skipping by
   reading (``islice`` over a plain ``DataLoader``) would cost.
@@ -123,6 +124,7 @@ def _epoch_table(dataset: TensorPairs, repeats: int) -> list[str]:
         times = _measure(
             {
                 "plain": partial(_drain, plain),
+                "control": partial(_drain, plain),
                 "iter": partial(_drain, loader),
                 "records": partial(_drain_records, loader),
             },
@@ -131,6 +133,11 @@ def _epoch_table(dataset: TensorPairs, repeats: int) -> list[str]:
         order = "shuffled" if shuffle else "sequential"
         lines += [
             _row(f"plain DataLoader, {order}", times["plain"], times["plain"]),
+            _row(
+                f"plain DataLoader again (noise control), {order}",
+                times["control"],
+                times["plain"],
+            ),
             _row(
                 f"`for b in shard_loader(...)`, {order}", times["iter"], times["plain"]
             ),

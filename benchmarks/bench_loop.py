@@ -8,11 +8,22 @@ scheduler). Epochs of the variants are interleaved repetition by repetition so t
 machine noise hits all alike; the table gives each variant's median epoch time, its
 spread (interquartile range) and minimum, and its ratio to plain PyTorch three
 ways: of the medians, the median of the per-repetition ratios and of the minima
-(the least disturbed by other load on a shared machine). Times are this thread's
+(the least disturbed by other load on a shared machine). The plain loop runs a
+second time as a noise control: its ratio to the first shows how far noise alone
+moves a ratio in that run. Times are this thread's
 CPU time by default (``--clock wall`` for elapsed time), so that a shared,
 overloaded machine adds less noise. One process, CPU, one torch thread by default.
 
+On a GPU machine the same comparison runs on CUDA with autocast, e.g.
+``--device cuda --mixed-precision fp16`` (the plain loop then uses
+``torch.autocast`` and a ``GradScaler`` by hand; funcaccel ``build_grad_scaler``);
+the clock is then wall time with ``torch.cuda.synchronize()`` at the end of each
+epoch. After the runs the script checks that the plain and the funcaccel model
+end with identical parameters (they apply the same updates), except under fp16,
+where the plain loop steps its scheduler also after a step the scaler skipped.
+
     python benchmarks/bench_loop.py --repeats 30   # after pip install -e . (or PYTHONPATH=.)
+    python benchmarks/bench_loop.py --device cuda --mixed-precision bf16
 """
 
 from __future__ import annotations
@@ -28,9 +39,12 @@ import torch
 from torch import nn
 from torch.nn.functional import mse_loss
 
+from funcaccel._typing import MixedPrecision
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.context import DistributedContext
+from funcaccel.mixed_precision import autocast_dtype
+from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.scheduler import maybe_step_scheduler
 
 ACCUMULATION_STEPS = 4
@@ -43,41 +57,58 @@ def _model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
-def _batches(n: int, batch_size: int) -> Batches:
+def _batches(n: int, batch_size: int, device: torch.device) -> Batches:
     gen = torch.Generator().manual_seed(0)
     return [
         (
-            torch.randn(batch_size, 32, generator=gen),
-            torch.randn(batch_size, 1, generator=gen),
+            torch.randn(batch_size, 32, generator=gen).to(device),
+            torch.randn(batch_size, 1, generator=gen).to(device),
         )
         for _ in range(n)
     ]
 
 
 def _training_objects(
-    seed: int,
+    seed: int, device: torch.device
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    model = _model(seed)
+    model = _model(seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.99)
     return model, optimizer, scheduler
 
 
-def plain_epoch(batches: Batches) -> Epoch:
-    """Return one epoch of the loop written in plain PyTorch."""
-    model, optimizer, scheduler = _training_objects(0)
+def plain_epoch(ctx: DistributedContext, batches: Batches) -> tuple[Epoch, nn.Module]:
+    """Return one epoch of the loop written in plain PyTorch, and its model."""
+    model, optimizer, scheduler = _training_objects(0, ctx.device)
     k, last = ACCUMULATION_STEPS, len(batches) - 1
+    dtype = autocast_dtype(ctx.mixed_precision)
+    if dtype is None:
 
-    def run() -> None:
+        def run() -> None:
+            for i, (x, y) in enumerate(batches):
+                loss = mse_loss(model(x), y)
+                torch.autograd.backward(loss / k)
+                if (i + 1) % k == 0 or i == last:
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+        return run, model
+    device_type = ctx.device.type
+    scaler = torch.amp.GradScaler(device_type, enabled=ctx.mixed_precision == "fp16")
+
+    def run_amp() -> None:
         for i, (x, y) in enumerate(batches):
-            loss = mse_loss(model(x), y)
-            torch.autograd.backward(loss / k)
+            with torch.autocast(device_type, dtype=dtype):
+                loss = mse_loss(model(x), y)
+            torch.autograd.backward(scaler.scale(loss / k))
             if (i + 1) % k == 0 or i == last:
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
 
-    return run
+    return run_amp, model
 
 
 def _loss_fn(
@@ -86,10 +117,12 @@ def _loss_fn(
     return lambda: mse_loss(model(x), y)
 
 
-def funcaccel_epoch(batches: Batches) -> Epoch:
-    """Return one epoch of the same loop through accumulate_step."""
-    model, optimizer, scheduler = _training_objects(0)
-    ctx = DistributedContext()
+def funcaccel_epoch(
+    ctx: DistributedContext, batches: Batches
+) -> tuple[Epoch, nn.Module]:
+    """Return one epoch of the same loop through accumulate_step, and its model."""
+    model, optimizer, scheduler = _training_objects(0, ctx.device)
+    scaler = build_grad_scaler(ctx)
     last = len(batches) - 1
 
     def run() -> None:
@@ -102,22 +135,25 @@ def funcaccel_epoch(batches: Batches) -> Epoch:
                 optimizer,
                 _loss_fn(model, x, y),
                 end_of_dataloader=i == last,
+                scaler=scaler,
             )
             maybe_step_scheduler(ctx, scheduler, grad)
 
-    return run
+    return run, model
 
 
-def accelerate_epoch(batches: Batches) -> Epoch | None:
+def accelerate_epoch(ctx: DistributedContext, batches: Batches) -> Epoch | None:
     """Return one epoch through Accelerate, or None when it is not installed."""
     try:
         accelerate: Any = importlib.import_module("accelerate")
     except ImportError:
         return None
     accelerator = accelerate.Accelerator(
-        gradient_accumulation_steps=ACCUMULATION_STEPS, cpu=True
+        gradient_accumulation_steps=ACCUMULATION_STEPS,
+        cpu=ctx.device.type == "cpu",
+        mixed_precision=ctx.mixed_precision,
     )
-    model, optimizer, scheduler = accelerator.prepare(*_training_objects(0))
+    model, optimizer, scheduler = accelerator.prepare(*_training_objects(0, ctx.device))
 
     def run() -> None:
         for x, y in batches:
@@ -143,6 +179,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-accelerate", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--mixed-precision", choices=("no", "bf16", "fp16"), default="no"
+    )
     parser.add_argument(
         "--clock",
         choices=("thread", "wall"),
@@ -151,14 +191,26 @@ def main() -> None:
         "unaffected by time spent descheduled on a shared machine); wall: elapsed",
     )
     args = parser.parse_args()
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    if args.micro_batches % ACCUMULATION_STEPS:
+        # A short last window would be scaled differently: funcaccel takes its
+        # exact mean, the plain loop's loss / k under-weights it.
+        parser.error(f"--micro-batches must be a multiple of {ACCUMULATION_STEPS}")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    clock_name = "wall" if cuda else args.clock
+    clock = time.thread_time if clock_name == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
-    batches = _batches(args.micro_batches, args.batch_size)
+    precision: MixedPrecision = args.mixed_precision
+    ctx = DistributedContext(device=device, mixed_precision=precision)
+    batches = _batches(args.micro_batches, args.batch_size, device)
+    plain_run, plain_model = plain_epoch(ctx, batches)
+    ours_run, our_model = funcaccel_epoch(ctx, batches)
     variants: dict[str, Epoch] = {
-        "plain PyTorch": plain_epoch(batches),
-        "funcaccel": funcaccel_epoch(batches),
+        "plain PyTorch": plain_run,
+        "plain PyTorch again (noise control)": plain_epoch(ctx, batches)[0],
+        "funcaccel": ours_run,
     }
-    accelerate_run = None if args.no_accelerate else accelerate_epoch(batches)
+    accelerate_run = None if args.no_accelerate else accelerate_epoch(ctx, batches)
     if accelerate_run is not None:
         variants["Accelerate"] = accelerate_run
     for run in variants.values():  # warm-up: allocator, autograd and dispatch caches
@@ -168,14 +220,25 @@ def main() -> None:
     for rep in range(args.repeats):
         # Rotate the order so that no variant always runs first.
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            if cuda:
+                torch.cuda.synchronize(device)
             start = clock()
             variants[name]()
+            if cuda:
+                torch.cuda.synchronize(device)
             samples[name].append(clock() - start)
     base = samples["plain PyTorch"]
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(plain_model.parameters(), our_model.parameters(), strict=True)
+    )
+    if not same and precision != "fp16":
+        raise SystemExit("bench_loop: the plain and funcaccel models differ")
     print(
         f"{args.micro_batches} micro-batches of {args.batch_size}, accumulation "
         f"{ACCUMULATION_STEPS}, {args.repeats} interleaved repetitions, "
-        f"{args.threads} thread(s), {args.clock} clock\n"
+        f"{args.threads} thread(s), {clock_name} clock, device {device}, mixed "
+        f"precision {precision}; identical final parameters: {same}\n"
     )
     print(
         "| loop | median ms/epoch | IQR ms | min ms | µs/micro-step | ratio of medians "

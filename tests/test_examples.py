@@ -9,89 +9,32 @@ the loss is finite and went down, the optimizer stepped once per accumulation wi
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Final
 
 import pytest
 
-REPO: Final = Path(__file__).resolve().parents[1]
-TIMEOUT_S: Final = 240.0
-# torchrun's variables: a run meant for one process must not inherit a world.
-_LAUNCHER_VARS: Final = frozenset(
-    {
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    }
-)
-# torch 2.13 with gloo: a DDP process can abort after its work is done, at
-# interpreter exit, when a gloo worker thread is still freeing the last collective's
-# buffers (it needs the GIL, which finalization no longer hands out; DDP keeps the
-# group's threads alive past destroy_process_group). Seen in about 1 run in 20 on
-# a loaded 2-core machine. Such a run is retried once.
-_EXIT_RACE: Final = "terminate called without an active exception"
+from tests._scripts import REPO
+from tests._scripts import run_script
+
 PROCESSES: Final = [
     pytest.param(1, id="1-process"),
     pytest.param(2, id="2-processes", marks=pytest.mark.distributed),
 ]
 
 
-def _env() -> dict[str, str]:
-    """Return a copy of the environment that can import funcaccel from the checkout."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO), env.get("PYTHONPATH")])
-    )
-    env["OMP_NUM_THREADS"] = "1"  # tiny models: threads only fight over the cores
-    return env
-
-
-def _run(command: list[str]) -> tuple[int, str, str]:
-    """Run ``command`` from the repository root; return its status, stdout, stderr."""
-    # A session of its own, so a hung torchrun is killed with its workers.
-    with subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            pytest.fail(f"{command} did not finish in {TIMEOUT_S:.0f} s:\n{stderr}")
-    return process.returncode, stdout, stderr
-
-
-def _is_exit_race(status: int, stdout: str, stderr: str, name: str) -> bool:
-    """Whether a run finished its work, then hit torch's gloo abort at exit."""
-    return status != 0 and _EXIT_RACE in stderr and f"{name}: " in stdout
-
-
 def run_example(name: str, processes: int, *args: object) -> dict[str, float]:
     """Run ``examples/<name>.py`` and return the numbers of its result line."""
-    script = str(REPO / "examples" / f"{name}.py")
-    launcher = ["-m", "torch.distributed.run", "--standalone"]
-    launcher += [f"--nproc_per_node={processes}"]
-    command = [sys.executable, *(launcher if processes > 1 else []), script]
-    command += [str(arg) for arg in args]
-    status, stdout, stderr = _run(command)
-    if processes > 1 and _is_exit_race(status, stdout, stderr, name):
-        status, stdout, stderr = _run(command)  # once; a second abort fails
-    assert status == 0, f"{command} exited {status}:\n{stderr}"
-    lines = [line for line in stdout.splitlines() if line.startswith(f"{name}: ")]
-    assert len(lines) == 1, f"expected one result line (main process only):\n{stdout}"
+    done = run_script(
+        REPO / "examples" / f"{name}.py",
+        *args,
+        processes=processes,
+        done_marker=f"{name}: ",
+    )
+    assert done.status == 0, f"{done.command} exited {done.status}:\n{done.stderr}"
+    lines = [line for line in done.stdout.splitlines() if line.startswith(f"{name}: ")]
+    assert len(lines) == 1, (
+        f"expected one result line (main process only):\n{done.stdout}"
+    )
     pairs = (item.split("=") for item in lines[0].split()[1:])
     return {key: float(value) for key, value in pairs}
 

@@ -3,52 +3,30 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._scripts import REPO
+from tests._scripts import run_script
+
 pytest.importorskip("sklearn")
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "train_digits.py"
+SCRIPT = REPO / "examples" / "train_digits.py"
 TINY = ["--epochs", "2", "--train-samples", "320", "--batch-size", "16"]
 
 
 def _run(args: list[str], *, processes: int = 1, timeout: float = 240) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable]
-    if processes > 1:
-        launcher += [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={processes}",
-        ]
-    command = [*launcher, str(SCRIPT), *args]
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+    done = run_script(
+        SCRIPT,
+        *args,
+        processes=processes,
+        done_marker="param_sha256: ",
+        timeout=timeout,
     )
-    if processes > 1 and _is_exit_race(done):
-        # torch 2.13 + gloo: after DDP, a rank can abort at interpreter exit while a
-        # gloo thread frees the last collective's buffers (see test_examples.py).
-        # A run that finished its work and hit exactly that is retried once.
-        done = subprocess.run(
-            command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
-        )
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.status == 0, done.stdout + done.stderr
     return done.stdout
-
-
-def _is_exit_race(done: subprocess.CompletedProcess[str]) -> bool:
-    return (
-        done.returncode != 0
-        and "terminate called without an active exception" in done.stderr
-        and "param_sha256: " in done.stdout
-    )
 
 
 def _value(out: str, key: str) -> str:
