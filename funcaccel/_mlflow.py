@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Final
 
-from funcaccel.tracking import _check_bool
-from funcaccel.tracking import _check_open
-from funcaccel.tracking import _check_step
+from funcaccel._checks import _check_bool
+from funcaccel._tracker_checks import _check_open
+from funcaccel._tracker_checks import _check_step
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 

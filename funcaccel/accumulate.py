@@ -32,11 +32,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._checks import _check_bool
+from funcaccel._checks import _check_ctx
+from funcaccel._checks import _check_norm
+from funcaccel._checks import _check_scaler
+from funcaccel._checks import as_tuple_of
 from funcaccel._lazy import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
-from funcaccel.grad_state import _check_bool
 from funcaccel.grad_state import _check_grad
 from funcaccel.grad_state import _next_state
 from funcaccel.grad_state import advance_grad_state
@@ -44,10 +48,6 @@ from funcaccel.grad_state import should_skip_grad_sync
 from funcaccel.grad_state import should_sync
 from funcaccel.grad_state import window_grad_factor
 from funcaccel.kwargs import AutocastKwargs
-from funcaccel.mixed_precision import _check_ctx
-from funcaccel.mixed_precision import _check_norm
-from funcaccel.mixed_precision import _check_scaler
-from funcaccel.mixed_precision import as_tuple_of
 from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters

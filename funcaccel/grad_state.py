@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from typing import Any
 from typing import Final
 
+from funcaccel._checks import _a
+from funcaccel._checks import _check_bool
 from funcaccel.context import DistributedContext
-from funcaccel.mixed_precision import _a
 
 __all__ = [
     "GradState",
@@ -178,14 +179,6 @@ def _check_grad(grad: object, caller: str) -> None:
         msg = (
             f"{caller}: grad must be a GradState; got {grad!r} ({type(grad).__name__}). "
             "Start with GradState(accumulation_steps=k)."
-        )
-        raise TypeError(msg)
-
-
-def _check_bool(caller: str, name: str, value: object) -> None:
-    if type(value) is not bool:
-        msg = (
-            f"{caller}: {name} must be a bool; got {value!r} ({type(value).__name__})."
         )
         raise TypeError(msg)
 

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import IO
 from typing import Final
 
+from funcaccel._checks import _check_bool
 from funcaccel._mlflow import MLflowTracker
+from funcaccel._tracker_checks import _check_open
+from funcaccel._tracker_checks import _check_step
 
 # TensorBoardTracker lives in its own module (it imports tensorboard lazily); it is
 # re-exported here so that every built-in tracker is found in one place.
 from funcaccel._trackers_optional import TensorBoardTracker
-from funcaccel.tracking import _check_bool
-from funcaccel.tracking import _check_open
-from funcaccel.tracking import _check_step
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 
