@@ -17,7 +17,9 @@ slower rank's. Two tables: the wall time of each epoch (the slower rank's, commu
 included) and the CPU time of each rank's training thread (Python, forward and
 backward; not gloo's own threads), which is where funcaccel's overhead lies and
 which is less noisy. Each gives the median, the interquartile range, the ratio of
-medians and the median of the per-repetition ratios (funcaccel / plain).
+medians and the median of the per-repetition ratios (funcaccel / plain). The plain
+loop runs a second time, with a model of its own, as a noise control: its ratio to
+the first shows how far noise alone moves a ratio in that run.
 
     PYTHONPATH=. python benchmarks/bench_ddp.py --repeats 40
 """
@@ -133,7 +135,11 @@ def measure(ctx: DistributedContext, args: argparse.Namespace) -> dict[str, Any]
     ]
     plain, plain_model = plain_epoch(args.hidden, batches)
     ours, our_model = funcaccel_epoch(ctx, args.hidden, batches)
-    variants = {"plain PyTorch DDP": plain, "funcaccel": ours}
+    variants = {
+        "plain PyTorch DDP": plain,
+        "plain PyTorch DDP again (noise control)": plain_epoch(args.hidden, batches)[0],
+        "funcaccel": ours,
+    }
     names = list(variants)
     for _ in range(args.warmup):
         for run in variants.values():
