@@ -278,8 +278,9 @@ def fetch_batch(
     return collate_fn(samples)
 
 
-# The label torch's DataLoader gives each batch it reads, so that a profile shows
-# data loading under the same name with or without funcaccel.
+# The profiler label of a batch read in-process, named like the one torch's
+# DataLoader iterator gives each batch, so that a profile shows data loading under
+# the same prefix.
 READ_LABEL: Final = "enumerate(DataLoader)#ShardedLoader.__next__"
 _profiling: Final[Callable[[], bool]] = getattr(
     torch._C._autograd, "_profiler_enabled", lambda: True
@@ -291,19 +292,23 @@ def read_batches(
 ) -> Iterator[Any]:
     """Yield ``loader``'s batches for ``indices``, read in this process.
 
-    With no worker process and no pinning, this is what iterating ``loader`` over
-    ``indices`` yields (``fetch_batch`` of each item), read lazily, one item at a
-    time, without the loader iterator's per-batch bookkeeping: its profiler range
-    alone costs about 10 us per batch, so it is opened (as ``READ_LABEL``) only
-    while a profiler runs. Otherwise the loader itself is iterated, its
-    ``IndexSlot`` sampler loaded with ``indices``.
+    With no worker process, no pinning and no timeout, this is what iterating
+    ``loader`` over ``indices`` yields (``fetch_batch`` of each item), read lazily,
+    one item at a time, without the loader iterator's per-batch bookkeeping: its
+    profiler range alone costs about 10 us per batch, so it is opened (as
+    ``READ_LABEL``) only while a profiler runs. A ``StopIteration`` from the
+    dataset or ``collate_fn`` ends the epoch, as it ends a ``DataLoader``'s.
+    Otherwise the loader itself is iterated, its ``IndexSlot`` sampler loaded with
+    ``indices``.
 
     >>> slot = IndexSlot()
     >>> loader = DataLoader(range(10, 20), batch_sampler=slot, collate_fn=list)
     >>> list(read_batches(loader, iter([[3, 1], [0]]), batched=True))
     [[13, 11], [10]]
     """
-    if loader.num_workers > 0 or loader.pin_memory:
+    if loader.num_workers > 0 or loader.pin_memory or loader.timeout:
+        # torch's own iterator: worker processes, pinning, or (with no workers)
+        # its refusal of a timeout
         sampler = loader.batch_sampler if batched else loader.sampler
         assert isinstance(sampler, IndexSlot)
         sampler.load_(indices)
@@ -311,9 +316,12 @@ def read_batches(
         return
     dataset, collate = loader.dataset, loader.collate_fn
     for item in indices:
-        if _profiling():
-            with torch.profiler.record_function(READ_LABEL):
+        try:
+            if _profiling():
+                with torch.profiler.record_function(READ_LABEL):
+                    data = fetch_batch(dataset, collate, item, batched=batched)
+            else:
                 data = fetch_batch(dataset, collate, item, batched=batched)
-        else:
-            data = fetch_batch(dataset, collate, item, batched=batched)
+        except StopIteration:
+            return  # from the dataset or collate_fn: it ends a DataLoader's epoch too
         yield data

@@ -192,11 +192,18 @@ def _forward_backward(
         isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1
     ):
         _check_loss(loss)  # says what is wrong
-    if scaler is None and type(loss) is torch.Tensor and loss.grad_fn is not None:
+    if (
+        scaler is None
+        and type(loss) is torch.Tensor
+        and loss.grad_fn is not None
+        and loss.is_floating_point()
+    ):
         # Seeding backward with d(loss / k)/d(loss) = 1/k gives the gradients of
         # backward(loss / k) bit for bit, without the division in the graph
-        # (about 20 us less per micro-step for a small model on CPU).
-        seed = _inverse_count(k, loss.dtype, loss.device, loss.shape)
+        # (about 20 us less per micro-step for a small model on CPU). The seed is
+        # a fresh copy: autograd hands it to hooks and nodes that may change it in
+        # place, and a parameter's .grad may end up a view of it.
+        seed = _inverse_count(k, loss.dtype, loss.device, loss.shape).clone()
         torch.autograd.backward(loss, seed)
         return loss
     scaled = loss / k
@@ -212,7 +219,7 @@ def _inverse_count(
 ) -> torch.Tensor:
     # ones / k runs the very kernel autograd's division backward would run on
     # backward(loss / k), so the seed is exactly the gradient that reaches the loss
-    # there. A constant per key; autograd only reads its seeds.
+    # there. A constant per key, never handed out: callers use a clone.
     return torch.ones(shape, dtype=dtype, device=device) / k
 
 

@@ -644,6 +644,102 @@ def test_a_leaf_or_subclass_loss_gets_the_gradient_of_loss_over_k() -> None:
     assert w.grad is not None and w.grad.item() == 0.5
 
 
+class _TripleGradInPlace(torch.autograd.Function):
+    """Identity whose backward (against autograd's advice) changes its input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.mul_(3.0)
+
+
+def _scale_in_place(g: torch.Tensor) -> None:
+    g.mul_(2.0)
+
+
+def _hooked(mse: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    # The loss's hook gets the seed itself and changes it in place.
+    mse.register_hook(_scale_in_place)  # type: ignore[no-untyped-call]
+    return mse
+
+
+def _behind_function(mse: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    # A node behind the loss changes the seed in place.
+    out: torch.Tensor = _TripleGradInPlace.apply(mse)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _aliased(mse: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    # extra.grad becomes a view of the seed, later accumulated into in place.
+    return mse + extra.squeeze()
+
+
+LOSS_SHAPES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "hook": _hooked,
+    "function": _behind_function,
+    "alias": _aliased,
+}
+
+
+def _same_grads(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
+    for got, want in zip(a, b, strict=True):
+        assert (got.grad is None and want.grad is None) or (
+            got.grad is not None
+            and want.grad is not None
+            and torch.equal(got.grad, want.grad)
+        )
+
+
+@pytest.mark.parametrize("shape", list(LOSS_SHAPES))
+def test_the_seed_is_never_shared_with_hooks_nodes_or_gradients(shape: str) -> None:
+    # Three micro-steps of a loss that changes or keeps the seed, and a short
+    # window's rescale; then an ordinary loss: all equal to backward(loss / k).
+    x, y = _data(4)
+    nets = [_net(), _net()]
+    extras = [nn.Parameter(torch.zeros(1, dtype=F64)) for _ in nets]
+    opt = torch.optim.SGD([*nets[0].parameters(), extras[0]], lr=0.0)
+    make = LOSS_SHAPES[shape]
+
+    def loss_fn(i: int) -> Callable[[], torch.Tensor]:
+        return lambda: make(mse_loss(nets[0](x[i : i + 1]), y[i : i + 1]), extras[0])
+
+    grad = GradState(accumulation_steps=4)
+    for i in range(3):
+        end = i == 2  # a short window: its gradients are rescaled by 4/3 in place
+        _, grad = accumulate_step(
+            ONE, grad, nets[0], opt, loss_fn(i), end_of_dataloader=end
+        )
+        torch.autograd.backward(
+            make(mse_loss(nets[1](x[i : i + 1]), y[i : i + 1]), extras[1]) / 4
+        )
+        if i == 1:  # compare before the window closes and zeroes the gradients
+            _same_grads(
+                [*nets[0].parameters(), extras[0]], [*nets[1].parameters(), extras[1]]
+            )
+    after, reference = _net(1), _net(1)
+    _, _ = accumulate_step(
+        ONE, GradState(accumulation_steps=4), after, _sgd(after.parameters()),
+        _loss_fn(after, x[3:], y[3:]),
+    )  # fmt: skip
+    torch.autograd.backward(mse_loss(reference(x[3:]), y[3:]) / 4)
+    _same_grads(list(after.parameters()), list(reference.parameters()))
+
+
+def test_a_complex_loss_is_refused_as_backward_refuses_it() -> None:
+    w = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(RuntimeError, match="real scalar outputs"):
+        accumulate_step(
+            ONE,
+            GradState(accumulation_steps=2),
+            nn.Module(),
+            torch.optim.SGD([w], lr=0.1),
+            lambda: (w * w).sum(),
+        )
+
+
 def test_custom_loop_from_the_public_pieces_matches_accumulate_step() -> None:
     x, y = _data(7)
     batches = _chunks(7, 1)

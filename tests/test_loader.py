@@ -309,6 +309,36 @@ def test_a_dataset_error_reaches_the_caller_unchanged(batch_size: int | None) ->
         list(shard_loader(ctx_for(1), failing))
 
 
+class StopsAtFour(Dataset[int]):
+    """A dataset whose ``__getitem__`` raises StopIteration past index 3."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, index: int) -> int:
+        if index > 3:
+            raise StopIteration
+        return index
+
+
+def test_a_stop_iteration_from_the_dataset_ends_the_epoch_as_in_a_dataloader() -> None:
+    plain = DataLoader(StopsAtFour(), batch_size=3, collate_fn=list)
+    loader = shard_loader(ctx_for(1), plain)
+    assert list(plain) == [[0, 1, 2]]
+    assert list(loader) == [[0, 1, 2]]
+    records = list(iter_batches(loader))
+    assert [r.data for r in records] == [[0, 1, 2]]
+    assert records[-1].is_last
+
+
+def test_a_timeout_without_workers_fails_as_the_dataloader_fails() -> None:
+    plain = DataLoader(Indexed(5), batch_size=2, timeout=5)
+    with pytest.raises(AssertionError, match="timeout == 0"):
+        list(plain)
+    with pytest.raises(AssertionError, match="timeout == 0"):
+        list(shard_loader(ctx_for(1), plain))
+
+
 def test_reads_are_labelled_in_a_profile_as_torch_labels_them() -> None:
     loader = shard_loader(ctx_for(1), DataLoader(GetItems(7, []), batch_size=2))
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
