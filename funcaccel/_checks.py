@@ -8,6 +8,7 @@ inputs.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -82,10 +83,10 @@ def _check_ctx(ctx: object, caller: str) -> None:
 
 
 def _check_norm(caller: str, name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
         msg = f"{caller}: {name} must be a number; got {value!r} ({type(value).__name__})."
         raise TypeError(msg)
-    if math.isnan(value) or value <= 0:
+    if math.isnan(float(value)) or value <= 0:
         msg = f"{caller}: {name} must be > 0; got {value!r}. Use e.g. 1.0."
         raise ValueError(msg)
 

@@ -43,7 +43,8 @@ def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
     if mixed_precision not in MIXED_PRECISION_MODES:
         msg = (
             f"context_from_env: mixed_precision must be one of 'no', 'fp16', 'bf16'; "
-            f"got {mixed_precision!r} (fp8 is not supported)."
+            f"got {mixed_precision!r}"
+            f"{' (fp8 is not supported)' if mixed_precision == 'fp8' else ''}."
         )
         raise ValueError(msg)
     if mixed_precision == "bf16" and device.type == "cuda":

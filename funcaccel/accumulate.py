@@ -53,6 +53,7 @@ from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
+from funcaccel.model import _inside_compile
 
 __all__ = [
     "GradState",
@@ -65,20 +66,14 @@ __all__ = [
 ]
 
 
-def _inside_compile(model: nn.Module) -> nn.Module:
-    # torch.compile wraps a module in an OptimizedModule holding it as _orig_mod;
-    # the no-sync switch belongs to the DDP / FSDP2 module inside.
-    while isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
-        model = inner
-    return model
-
-
 @contextlib.contextmanager
-def _no_sync(models: tuple[nn.Module, ...]) -> Iterator[None]:
+def _no_sync(models: tuple[nn.Module, ...], caller: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for wrapped in models:
             model = _inside_compile(wrapped)
             if isinstance(model, DistributedDataParallel):
+                if model.static_graph:
+                    _refuse_static_graph(caller)
                 stack.enter_context(model.no_sync())
             elif is_fsdp_module(model):
                 # Registered before the switch, so it runs on error too.
@@ -113,7 +108,17 @@ def sync_ctx(
     modules = as_tuple_of(models, nn.Module, caller="sync_ctx", name="models")
     if not should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
         return contextlib.nullcontext()
-    return _no_sync(modules)
+    return _no_sync(modules, "sync_ctx")
+
+
+def _refuse_static_graph(caller: str) -> None:
+    msg = (
+        f"{caller}: the model's DDP was built with static_graph=True, which "
+        "cannot skip the gradient all-reduce of an accumulation micro-step (torch "
+        "fails inside no_sync()); build it with static_graph=False, or all-reduce on "
+        "every micro-step with GradState(..., sync_each_batch=True)."
+    )
+    raise ValueError(msg)
 
 
 def _check_loss(loss: object) -> None:
@@ -326,10 +331,12 @@ def accumulate_step(
         if isinstance(
             single, DistributedDataParallel
         ):  # the usual case, entered directly
+            if single.static_graph:
+                _refuse_static_graph("accumulate_step")
             with single.no_sync():
                 loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
         else:
-            with _no_sync(models):  # should_skip_grad_sync
+            with _no_sync(models, "accumulate_step"):  # should_skip_grad_sync
                 loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     else:  # no null context: entering one costs more than the rest of the checks
         loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)

@@ -124,7 +124,8 @@ class DistributedContext:
         if self.mixed_precision not in MIXED_PRECISION_MODES:
             msg = (
                 f"{owner}: mixed_precision must be one of 'no', 'fp16', 'bf16'; got "
-                f"{self.mixed_precision!r} (fp8 is not supported)."
+                f"{self.mixed_precision!r}"
+                f"{' (fp8 is not supported)' if str(self.mixed_precision) == 'fp8' else ''}."
             )
             raise ValueError(msg)
         if self.backend is not None and not isinstance(self.backend, str):

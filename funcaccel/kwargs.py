@@ -151,7 +151,13 @@ class DistributedDataParallelKwargs(KwargsHandler):
         if not is_int(self.dim) or self.dim < 0:
             msg = f"{owner}: dim must be an int >= 0; got {self.dim!r}."
             raise ValueError(msg)
-        if not is_real(self.bucket_cap_mb) or not self.bucket_cap_mb > 0:
+        if not is_real(self.bucket_cap_mb):
+            msg = (
+                f"{owner}: bucket_cap_mb must be a number (MB); got "
+                f"{self.bucket_cap_mb!r} ({type_name(self.bucket_cap_mb)})."
+            )
+            raise TypeError(msg)
+        if not self.bucket_cap_mb > 0:
             msg = f"{owner}: bucket_cap_mb must be a number > 0; got {self.bucket_cap_mb!r}."
             raise ValueError(msg)
         for name in (

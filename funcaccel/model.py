@@ -78,6 +78,18 @@ _POWER_SGD_HOOKS: Final = frozenset(
 _BF16_COMM_DEVICES: Final = frozenset({"cuda", "xpu"})
 
 
+def _inside_compile(model: nn.Module) -> nn.Module:
+    """Return the module inside ``torch.compile``'s wrappers (``._orig_mod``), if any.
+
+    >>> net = nn.Linear(1, 1)
+    >>> _inside_compile(net) is net
+    True
+    """
+    while isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+        model = inner
+    return model
+
+
 def wrap_model(
     ctx: DistributedContext,
     model: nn.Module,
@@ -171,11 +183,12 @@ def _check_arguments(
             f"({type(fsdp).__name__}). Use fsdp=FSDPOptions() for the defaults."
         )
         raise TypeError(msg)
-    if isinstance(model, (DistributedDataParallel, DataParallel)) or is_fsdp_module(
-        model
+    inner = _inside_compile(model)
+    if isinstance(inner, (DistributedDataParallel, DataParallel)) or is_fsdp_module(
+        inner
     ):
         msg = (
-            f"wrap_model: model is already wrapped ({type(model).__name__}); pass "
+            f"wrap_model: model is already wrapped ({type(inner).__name__}); pass "
             "unwrap_model(model), or use the wrapped model as it is."
         )
         raise ValueError(msg)

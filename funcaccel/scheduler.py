@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Final
 from typing import SupportsFloat
 
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
@@ -161,8 +162,14 @@ def maybe_step_scheduler(
     ):
         _check_args(ctx, grad, split_batches, step_with_optimizer, _CALLER)
     plateau = isinstance(scheduler, ReduceLROnPlateau)
-    if (metrics is None) == plateau or not callable(getattr(scheduler, "step", None)):
+    if (
+        (metrics is None) == plateau
+        or not callable(getattr(scheduler, "step", None))
+        or isinstance(scheduler, Optimizer)
+    ):
         _check_scheduler(scheduler, plateau, metrics)
+    if plateau:
+        _check_metrics(metrics)
     due = _due(ctx, grad, split_batches, step_with_optimizer)
     stepped = 0
     while stepped < due and _has_steps_left(scheduler):
@@ -176,6 +183,12 @@ def maybe_step_scheduler(
 
 
 def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
+    if isinstance(scheduler, Optimizer):
+        msg = (
+            f"{_CALLER}: scheduler is an optimizer ({type(scheduler).__name__}), whose "
+            "step() would update the parameters; pass the LR scheduler built on it."
+        )
+        raise TypeError(msg)
     if not callable(getattr(scheduler, "step", None)):
         msg = (
             f"{_CALLER}: scheduler must have a step() method; got "
@@ -194,3 +207,17 @@ def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
             f"ReduceLROnPlateau, not {type(scheduler).__name__}; drop metrics."
         )
         raise ValueError(msg)
+
+
+def _check_metrics(metrics: object) -> None:
+    # ReduceLROnPlateau compares float(metrics) with its best value so far.
+    try:
+        if isinstance(metrics, (str, bytes)):
+            raise TypeError
+        float(metrics)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        msg = (
+            f"{_CALLER}: metrics must be a number or a one-element tensor for "
+            f"ReduceLROnPlateau to compare; got {metrics!r} ({type(metrics).__name__})."
+        )
+        raise TypeError(msg) from None

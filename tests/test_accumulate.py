@@ -1253,3 +1253,43 @@ def test_no_sync_contexts_are_restored_also_on_error(
         assert type(out["fsdp_norm"]) is torch.Tensor
         _close([out["fsdp_norm"]], [norm], 1e-12)
         _close(out["fsdp_clipped"], [g * 0.5 / (norm + 1e-6) for g in expected], 1e-12)
+
+
+def test_a_static_graph_ddp_is_refused_where_sync_would_be_skipped(
+    tmp_path: Path,
+) -> None:
+    # torch's DDP with static_graph=True fails inside no_sync(); funcaccel says why
+    # before entering it. (A one-rank group stands in for the world of two that
+    # the hand-built context describes: only no_sync's entry is exercised.)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rdv", world_size=1, rank=0
+    )
+    try:
+        ddp = DistributedDataParallel(_net(), static_graph=True)
+        two = DistributedContext(
+            num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU
+        )
+        x, y = _data(1)
+        with pytest.raises(ValueError, match=r"accumulate_step: .*static_graph=True"):
+            accumulate_step(
+                two,
+                GradState(accumulation_steps=2),
+                ddp,
+                _sgd(ddp.parameters()),
+                _loss_fn(ddp, x, y),
+            )
+        with pytest.raises(ValueError, match=r"sync_ctx: .*sync_each_batch=True"):
+            with sync_ctx(two, GradState(accumulation_steps=2), [ddp, nn.Linear(1, 1)]):
+                pass
+        # All-reducing every micro-step is what static_graph allows.
+        _, grad = accumulate_step(
+            two,
+            GradState(accumulation_steps=2, sync_each_batch=True),
+            ddp,
+            _sgd(ddp.parameters()),
+            _loss_fn(ddp, x, y),
+        )
+        assert grad.micro_step == 1
+        del ddp
+    finally:
+        dist.destroy_process_group()

@@ -129,7 +129,13 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
         (
             {"mixed_precision": "fp8"},
             ValueError,
-            r"mixed_precision must be one of 'no', 'fp16', 'bf16'; got 'fp8'",
+            r"mixed_precision must be one of 'no', 'fp16', 'bf16'; got 'fp8' "
+            r"\(fp8 is not supported\)\.$",
+        ),
+        (
+            {"mixed_precision": "fp32"},
+            ValueError,
+            r"mixed_precision must be one of 'no', 'fp16', 'bf16'; got 'fp32'\.$",
         ),
         ({"backend": 3}, TypeError, r"backend must be a str or None; got 3"),
         (

@@ -285,6 +285,11 @@ def test_power_sgd_hooks_take_any_wrapper(hook: str, wrapper: str) -> None:
             ValueError,
             r"bucket_cap_mb must be a number > 0; got 0",
         ),
+        (
+            {"bucket_cap_mb": "25"},
+            TypeError,
+            r"bucket_cap_mb must be a number \(MB\); got '25' \(str\)",
+        ),
         ({"dim": -1}, ValueError, r"dim must be an int >= 0; got -1"),
         ({"static_graph": 1}, TypeError, r"static_graph must be a bool; got 1 \(int\)"),
     ],

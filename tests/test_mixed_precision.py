@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,6 +222,9 @@ def test_clip_grad_norm_rejects_bad_arguments() -> None:
         TypeError, match=r"clip_grad_norm_: max_norm must be a number; got True"
     ):
         clip_grad_norm_([w], True)
+    # Any real number will do, numpy's included.
+    assert clip_grad_norm_([w], np.float32(0.5)).item() == pytest.approx(1.0)  # type: ignore[arg-type]
+    assert w.grad is not None and w.grad.item() == pytest.approx(0.5)
     with pytest.raises(
         ValueError, match=r"clip_grad_norm_: norm_type must be > 0; got -2"
     ):

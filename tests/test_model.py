@@ -618,13 +618,15 @@ def test_wrap_model_rejects_wrong_fsdp_type() -> None:
         wrap_model(DistributedContext(), _Net(), fsdp=True)  # type: ignore[arg-type]
 
 
-def test_wrap_model_refuses_an_already_wrapped_module() -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_wrap_model_refuses_an_already_wrapped_module(compiled: bool) -> None:
     wrapped = nn.DataParallel(_Net())
+    given = _compiled(wrapped) if compiled else wrapped
     with pytest.raises(
         ValueError,
         match=r"wrap_model: model is already wrapped \(DataParallel\); pass unwrap_model",
     ):
-        wrap_model(DistributedContext(), wrapped)
+        wrap_model(DistributedContext(), given)
 
 
 @pytest.mark.parametrize(

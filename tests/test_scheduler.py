@@ -206,6 +206,15 @@ def test_reduce_lr_on_plateau_takes_metrics() -> None:
         match=r"maybe_step_scheduler: ReduceLROnPlateau steps on a metric but metrics=None",
     ):
         maybe_step_scheduler(ONE, scheduler, GradState())
+    assert maybe_step_scheduler(ONE, scheduler, GradState(), metrics=torch.tensor(3.0))
+    for bad in ("0.5", torch.ones(2), object()):
+        with pytest.raises(
+            TypeError,
+            match=r"maybe_step_scheduler: metrics must be a number or a one-element "
+            r"tensor for ReduceLROnPlateau to compare; got",
+        ):
+            maybe_step_scheduler(ONE, scheduler, GradState(), metrics=bad)  # type: ignore[arg-type]
+    assert scheduler.last_epoch == 4  # the refused calls did not step
 
 
 def test_any_object_with_step_is_stepped() -> None:
@@ -252,4 +261,10 @@ def test_maybe_step_scheduler_rejects_bad_input() -> None:
         TypeError, match=r"scheduler_steps_due: ctx must be a DistributedContext"
     ):
         scheduler_steps_due(None, GradState())  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"maybe_step_scheduler: scheduler is an optimizer \(SGD\), whose step\(\) "
+        r"would update the parameters; pass the LR scheduler built on it",
+    ):
+        maybe_step_scheduler(ONE, scheduler.optimizer, GradState())
     assert scheduler._step_count == 1
