@@ -112,6 +112,10 @@ def _check_types(
     if seed < 0:
         msg = f"{_WHERE}: seed must be >= 0; got {seed}. Pass a non-negative int."
         raise ValueError(msg)
+    if seed >= 2**63:
+        # Epoch e seeds torch generators with seed + e, which must stay below 2**64.
+        msg = f"{_WHERE}: seed must be < 2**63; got {seed}. Pass a smaller int."
+        raise ValueError(msg)
     if slice_fn is not None and not callable(slice_fn):
         raise _type_error("slice_fn", "None or a callable (data, slice)", slice_fn)
 

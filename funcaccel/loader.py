@@ -207,7 +207,7 @@ def shard_loader(
             datasets when ``put_on_device``.
         even_batches: Loop back to the epoch's start so every rank gets the same
             number of full batches.
-        seed: Base seed of the shuffled order (>= 0).
+        seed: Base seed of the shuffled order (0 <= seed < 2**63).
         non_blocking: Passed to ``Tensor.to`` when moving batches.
         slice_fn: ``slice_fn(global_batch, rows)`` cuts a rank's part when
             dispatching (default: those rows of every tensor).

@@ -1044,6 +1044,7 @@ def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
         ),
         ({"seed": 1.0}, TypeError, r"shard_loader: seed must be an int; got 1.0"),
         ({"seed": -1}, ValueError, r"shard_loader: seed must be >= 0; got -1"),
+        ({"seed": 2**63}, ValueError, r"shard_loader: seed must be < 2\*\*63; got 9"),
         (
             {"slice_fn": 3},
             TypeError,
