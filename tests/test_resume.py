@@ -50,8 +50,9 @@ from funcaccel.model import wrap_model
 from funcaccel.scheduler import maybe_step_scheduler
 from tests._dist import run_processes
 from tests._dist import run_ranks
+from tests._scripts import REPO
+from tests._scripts import script_env
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_train.py"
 SAMPLES = 22
 BATCH = 2
@@ -266,11 +267,7 @@ def test_a_checkpoint_from_two_processes_resumes_on_one_and_back(
 
 def _start_torchrun(workdir: Path, *extra: str, restarts: int) -> subprocess.Popen[str]:
     """Start the script on 2 processes under torchrun, in its own process group."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
-    )
-    env["OMP_NUM_THREADS"] = "1"
+    env = script_env()
     # torch 2.13's standalone rendezvous shares one TCPStore across restarts, so
     # the restarted group can read the killed group's gloo addresses and fail to
     # connect; a store per attempt avoids that.
