@@ -7,6 +7,7 @@ it into the functions below.
 
 from __future__ import annotations
 
+from funcaccel._version import __version__ as __version__
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import sync_ctx
 from funcaccel.checkpoint import CheckpointMeta
@@ -70,20 +71,18 @@ from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
-from funcaccel.trackers import CSVTracker
-from funcaccel.trackers import JSONLTracker
-from funcaccel.trackers import MLflowTracker
-from funcaccel.trackers import TensorBoardTracker
 from funcaccel.tracking import ConfigValue
+from funcaccel.tracking import CSVTracker
 from funcaccel.tracking import InMemoryTracker
+from funcaccel.tracking import JSONLTracker
 from funcaccel.tracking import LogRecord
 from funcaccel.tracking import MetricValue
+from funcaccel.tracking import MLflowTracker
+from funcaccel.tracking import TensorBoardTracker
 from funcaccel.tracking import Tracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import store_config
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AutocastKwargs",

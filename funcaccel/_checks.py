@@ -1,26 +1,106 @@
-"""Argument checks that several public modules share, so none imports another's privates.
+"""The argument checks every package shares: a leaf that imports nothing from funcaccel.
 
-Each check takes the public function's name for its message and raises the
-``TypeError`` or ``ValueError`` that function documents; nothing here changes its
-inputs.
+Each check takes the public function's name (``caller``) for its message and raises
+the ``TypeError`` or ``ValueError`` that function documents; nothing here changes
+its inputs. ``summary`` gives the bounded description of a value that every error
+message shows, so that a message never dumps a whole batch.
+
+>>> is_int(True), is_real(2), type_name(None)
+(False, True, 'NoneType')
+>>> check_int("f", "n", 3, 1)
+3
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from collections.abc import Sequence
+from typing import Final
 from typing import TypeVar
 
 import torch
 
-from funcaccel.context import DistributedContext
-
 __all__ = [
+    "a_or_an",
     "as_tuple_of",
+    "check_bool",
+    "check_int",
+    "check_norm",
+    "check_scaler",
+    "is_bool",
+    "is_int",
+    "is_real",
+    "summary",
+    "type_name",
 ]
 
 T = TypeVar("T")
+
+SUMMARY_LIMIT: Final = 80
+"""The most characters ``summary`` keeps of a value's ``repr``."""
+
+
+def is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def summary(value: object, limit: int = SUMMARY_LIMIT) -> str:
+    """Return a short description of ``value`` for an error message.
+
+    Tensors are described by shape and dtype, containers by their type and length;
+    any other ``repr`` longer than ``limit`` characters is cut in the middle.
+
+    >>> summary(torch.zeros(2, 3))
+    'tensor(shape=(2, 3), dtype=torch.float32)'
+    >>> summary(list(range(1000)))
+    'list of 1000 items'
+    >>> summary("abc")
+    "'abc'"
+    """
+    if isinstance(value, torch.Tensor):
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    if isinstance(value, (list, tuple, Mapping)) and not _short(value, limit):
+        return f"{type_name(value)} of {len(value)} items"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real error
+        return f"<{type_name(value)}>"
+    if len(text) <= limit:
+        return text
+    keep = (limit - 5) // 2
+    return f"{text[:keep]} ... {text[-keep:]}"
+
+
+def _short(value: list[object] | tuple[object, ...] | Mapping[object, object], limit: int) -> bool:
+    if len(value) > limit // 2:
+        return False
+    try:
+        return len(repr(value)) <= limit
+    except Exception:
+        return False
+
+
+def a_or_an(word: str) -> str:
+    """Return ``word`` with its indefinite article, for messages.
+
+    >>> a_or_an("int"), a_or_an("Module")
+    ('an int', 'a Module')
+    """
+    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
 
 
 def as_tuple_of(
@@ -56,53 +136,58 @@ def as_tuple_of(
         for item in items:
             if not isinstance(item, kind):
                 msg = (
-                    f"{caller}: every item of {name} must be {_a(kind.__name__)}; got "
-                    f"{item!r} ({type(item).__name__})."
+                    f"{caller}: every item of {name} must be {a_or_an(kind.__name__)}; got "
+                    f"{summary(item)} ({type_name(item)})."
                 )
                 raise TypeError(msg)
         return items
     msg = (
-        f"{caller}: {name} must be {_a(kind.__name__)} or a sequence of them; got "
-        f"{value!r} ({type(value).__name__})."
+        f"{caller}: {name} must be {a_or_an(kind.__name__)} or a sequence of them; got "
+        f"{summary(value)} ({type_name(value)})."
     )
     raise TypeError(msg)
 
 
-def _a(word: str) -> str:
-    """Return ``word`` with its indefinite article, for messages."""
-    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
-
-
-def _check_ctx(ctx: object, caller: str) -> None:
-    if not isinstance(ctx, DistributedContext):
+def check_bool(caller: str, name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool; raise ``TypeError`` naming ``caller`` if not."""
+    if type(value) is not bool:
         msg = (
-            f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}. "
-            "Build one with build_context()."
+            f"{caller}: {name} must be a bool; got {summary(value)} ({type_name(value)})."
         )
         raise TypeError(msg)
+    return value
 
 
-def _check_norm(caller: str, name: str, value: object) -> None:
+def check_int(caller: str, name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``."""
+    if not is_int(value):
+        msg = (
+            f"{caller}: {name} must be an int; got {summary(value)} ({type_name(value)}); "
+            f"pass an int >= {minimum}."
+        )
+        raise TypeError(msg)
+    assert isinstance(value, int)
+    if value < minimum:
+        msg = f"{caller}: {name} ({value}) must be >= {minimum}; pass a larger value."
+        raise ValueError(msg)
+    return value
+
+
+def check_norm(caller: str, name: str, value: object) -> None:
+    """Check that ``value`` is a real number above 0 (a clipping norm or value)."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        msg = f"{caller}: {name} must be a number; got {value!r} ({type(value).__name__})."
+        msg = f"{caller}: {name} must be a number; got {summary(value)} ({type_name(value)})."
         raise TypeError(msg)
     if math.isnan(float(value)) or value <= 0:
         msg = f"{caller}: {name} must be > 0; got {value!r}. Use e.g. 1.0."
         raise ValueError(msg)
 
 
-def _check_scaler(scaler: object, caller: str) -> None:
+def check_scaler(scaler: object, caller: str) -> None:
+    """Check that ``scaler`` is a ``torch.amp.GradScaler``."""
     if not isinstance(scaler, torch.amp.GradScaler):
         msg = (
             f"{caller}: scaler must be a torch.amp.GradScaler or None; got "
-            f"{scaler!r} ({type(scaler).__name__}). Build one with build_grad_scaler."
-        )
-        raise TypeError(msg)
-
-
-def _check_bool(caller: str, name: str, value: object) -> None:
-    if type(value) is not bool:
-        msg = (
-            f"{caller}: {name} must be a bool; got {value!r} ({type(value).__name__})."
+            f"{summary(scaler)} ({type_name(scaler)}). Build one with build_grad_scaler."
         )
         raise TypeError(msg)

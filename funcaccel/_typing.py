@@ -13,6 +13,11 @@ MixedPrecision: TypeAlias = Literal["no", "fp16", "bf16"]
 
 MIXED_PRECISION_MODES: tuple[MixedPrecision, ...] = ("no", "fp16", "bf16")
 
+RngType: TypeAlias = Literal["torch", "cuda", "generator"]
+"""A random generator that ``shard_loader`` and ``sync_rng_states`` sync from rank 0."""
+
+RNG_TYPES: tuple[RngType, ...] = ("torch", "cuda", "generator")
+
 
 @runtime_checkable
 class Stateful(Protocol):

@@ -32,18 +32,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from funcaccel._checks import _check_bool
-from funcaccel._checks import _check_ctx
-from funcaccel._checks import _check_norm
-from funcaccel._checks import _check_scaler
 from funcaccel._checks import as_tuple_of
-from funcaccel._lazy import is_fsdp_module
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_norm
+from funcaccel._checks import check_scaler
+from funcaccel._dist_types import is_fsdp_module
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
-from funcaccel.grad_state import _check_grad
-from funcaccel.grad_state import _next_state
 from funcaccel.grad_state import advance_grad_state
+from funcaccel.grad_state import check_grad_state
+from funcaccel.grad_state import next_grad_state
 from funcaccel.grad_state import should_skip_grad_sync
 from funcaccel.grad_state import should_sync
 from funcaccel.grad_state import window_grad_factor
@@ -53,7 +53,7 @@ from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
-from funcaccel.model import _inside_compile
+from funcaccel.model import inside_compile
 
 __all__ = [
     "GradState",
@@ -70,7 +70,7 @@ __all__ = [
 def _no_sync(models: tuple[nn.Module, ...], caller: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for wrapped in models:
-            model = _inside_compile(wrapped)
+            model = inside_compile(wrapped)
             if isinstance(model, DistributedDataParallel):
                 if model.static_graph:
                     _refuse_static_graph(caller)
@@ -103,8 +103,8 @@ def sync_ctx(
     Raises:
         TypeError: ``ctx``, ``grad`` or ``models`` of the wrong type.
     """
-    _check_ctx(ctx, "sync_ctx")
-    _check_grad(grad, "sync_ctx")
+    check_context(ctx, "sync_ctx")
+    check_grad_state(grad, "sync_ctx")
     modules = as_tuple_of(models, nn.Module, caller="sync_ctx", name="models")
     if not should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
         return contextlib.nullcontext()
@@ -153,18 +153,18 @@ def _check_step_args(
 ) -> None:
     caller = "accumulate_step"
     if not isinstance(ctx, DistributedContext):
-        _check_ctx(ctx, caller)
+        check_context(ctx, caller)
     if not isinstance(grad, GradState):
-        _check_grad(grad, caller)
+        check_grad_state(grad, caller)
     if not callable(loss_fn):
         msg = (
             f"{caller}: loss_fn must be a callable taking no argument and returning "
             f"the micro-batch loss; got {loss_fn!r} ({type(loss_fn).__name__})."
         )
         raise TypeError(msg)
-    _check_bool(caller, "end_of_dataloader", end_of_dataloader)
+    check_bool(caller, "end_of_dataloader", end_of_dataloader)
     if scaler is not None:
-        _check_scaler(scaler, caller)
+        check_scaler(scaler, caller)
     elif ctx.mixed_precision == "fp16":
         msg = (
             f"{caller}: ctx.mixed_precision is 'fp16' but scaler=None; fp16 needs a "
@@ -172,7 +172,7 @@ def _check_step_args(
         )
         raise ValueError(msg)
     if max_grad_norm is not None:
-        _check_norm(caller, "max_grad_norm", max_grad_norm)
+        check_norm(caller, "max_grad_norm", max_grad_norm)
     if autocast_kwargs is not None and not isinstance(autocast_kwargs, AutocastKwargs):
         msg = (
             f"{caller}: autocast_kwargs must be an AutocastKwargs or None; got "
@@ -355,4 +355,4 @@ def accumulate_step(
         skipped = optimizer_step(optimizers, scaler=scaler)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-    return loss.detach(), _next_state(grad, synced, end_of_dataloader, skipped)
+    return loss.detach(), next_grad_state(grad, synced, end_of_dataloader, skipped)

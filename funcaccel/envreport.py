@@ -18,6 +18,7 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
+from funcaccel._version import __version__
 from funcaccel.context import context_from_env
 
 __all__ = ["env_report"]
@@ -97,8 +98,6 @@ def env_report(environ: Mapping[str, str]) -> str:
     >>> "process_index (5) must be in [0, num_processes=2)" in report
     True
     """
-    from funcaccel import __version__
-
     versions = [
         ("funcaccel", __version__),
         ("torch", torch.__version__),

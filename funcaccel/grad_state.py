@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 from typing import Final
 
-from funcaccel._checks import _a
-from funcaccel._checks import _check_bool
+from funcaccel._checks import a_or_an
+from funcaccel._checks import check_bool
 from funcaccel.context import DistributedContext
 
 __all__ = [
@@ -139,7 +139,7 @@ def _raise_invalid(state: GradState) -> None:
     for field in dataclasses.fields(state):
         value, kind = getattr(state, field.name), field.type  # "int" or "bool"
         if type(value).__name__ != kind:
-            msg = f"GradState: {field.name} must be {_a(str(kind))}; got {value!r} ({type(value).__name__})."
+            msg = f"GradState: {field.name} must be {a_or_an(str(kind))}; got {value!r} ({type(value).__name__})."
             raise TypeError(msg)
     k, j, synced = state.accumulation_steps, state.micro_step, state.sync_gradients
     problems = [
@@ -174,7 +174,8 @@ def _raise_invalid(state: GradState) -> None:
     raise ValueError(f"GradState: {msg}")
 
 
-def _check_grad(grad: object, caller: str) -> None:
+def check_grad_state(grad: object, caller: str) -> None:
+    """Raise ``TypeError`` naming ``caller`` unless ``grad`` is a ``GradState``."""
     if not isinstance(grad, GradState):
         msg = (
             f"{caller}: grad must be a GradState; got {grad!r} ({type(grad).__name__}). "
@@ -197,8 +198,8 @@ def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
     >>> should_sync(GradState(accumulation_steps=4, sync_with_dataloader=False), end_of_dataloader=True)
     False
     """
-    _check_grad(grad, "should_sync")
-    _check_bool("should_sync", "end_of_dataloader", end_of_dataloader)
+    check_grad_state(grad, "should_sync")
+    check_bool("should_sync", "end_of_dataloader", end_of_dataloader)
     if grad.micro_step + 1 == grad.accumulation_steps:
         return True
     return grad.sync_with_dataloader and end_of_dataloader
@@ -264,7 +265,7 @@ def advance_grad_state(
     >>> advance_grad_state(after, end_of_dataloader=True, step_was_skipped=True).optimizer_steps
     1
     """
-    _check_bool("advance_grad_state", "step_was_skipped", step_was_skipped)
+    check_bool("advance_grad_state", "step_was_skipped", step_was_skipped)
     synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if step_was_skipped and not synced:
         msg = (
@@ -273,10 +274,11 @@ def advance_grad_state(
             f"{grad.accumulation_steps}); only a syncing micro-step can skip."
         )
         raise ValueError(msg)
-    return _next_state(grad, synced, end_of_dataloader, step_was_skipped)
+    return next_grad_state(grad, synced, end_of_dataloader, step_was_skipped)
 
 
-def _next_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> GradState:
+def next_grad_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> GradState:
+    """Return the state after one micro-step of a valid ``grad`` (no checks)."""
     # Runs on every micro-step. The fields follow from a valid ``grad`` (micro_step
     # is 0 exactly when synced, a skip only when synced), so the state is built as
     # the frozen dataclass's own __init__ builds it, minus the keyword parsing and

@@ -25,13 +25,13 @@ from contextlib import AbstractContextManager
 import torch
 from torch.amp.grad_scaler import OptState
 
-from funcaccel._checks import _check_ctx
-from funcaccel._checks import _check_norm
-from funcaccel._checks import _check_scaler
 from funcaccel._checks import as_tuple_of
-from funcaccel._lazy import is_dtensor
+from funcaccel._checks import check_norm
+from funcaccel._checks import check_scaler
+from funcaccel._dist_types import is_dtensor
 from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import GradScalerKwargs
 
@@ -92,7 +92,7 @@ def autocast_ctx(
     ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     torch.float32
     """
-    _check_ctx(ctx, "autocast_ctx")
+    check_context(ctx, "autocast_ctx")
     if kwargs is not None and not isinstance(kwargs, AutocastKwargs):
         msg = (
             f"autocast_ctx: kwargs must be an AutocastKwargs or None; got "
@@ -125,7 +125,7 @@ def build_grad_scaler(
     >>> build_grad_scaler(DistributedContext()) is None
     True
     """
-    _check_ctx(ctx, "build_grad_scaler")
+    check_context(ctx, "build_grad_scaler")
     if kwargs is not None and not isinstance(kwargs, GradScalerKwargs):
         msg = (
             f"build_grad_scaler: kwargs must be a GradScalerKwargs or None; got "
@@ -161,7 +161,7 @@ def unscale_grads_(
     >>> unscale_grads_(scaler, opt), unscale_grads_(scaler, opt), w.grad.item()
     (1, 0, 1.0)
     """
-    _check_scaler(scaler, "unscale_grads_")
+    check_scaler(scaler, "unscale_grads_")
     optimizers = as_tuple_of(
         optimizer, torch.optim.Optimizer, caller="unscale_grads_", name="optimizer"
     )
@@ -213,10 +213,10 @@ def clip_grad_norm_(
     >>> clip_grad_norm_([w], 1.0).item(), [round(g, 4) for g in w.grad.tolist()]
     (5.0, [0.6, 0.8])
     """
-    _check_norm("clip_grad_norm_", "max_norm", max_norm)
-    _check_norm("clip_grad_norm_", "norm_type", norm_type)
+    check_norm("clip_grad_norm_", "max_norm", max_norm)
+    check_norm("clip_grad_norm_", "norm_type", norm_type)
     if scaler is not None:
-        _check_scaler(scaler, "clip_grad_norm_")
+        check_scaler(scaler, "clip_grad_norm_")
         if optimizer is None:
             msg = (
                 "clip_grad_norm_: a scaler was given but optimizer=None; pass the "
@@ -269,7 +269,7 @@ def optimizer_step(
         for opt in optimizers:
             opt.step()
         return False
-    _check_scaler(scaler, "optimizer_step")
+    check_scaler(scaler, "optimizer_step")
     if not scaler.is_enabled():
         for opt in optimizers:
             scaler.step(opt)

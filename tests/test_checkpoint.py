@@ -26,9 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import ProcessExitedException
 
-import funcaccel._layout
-from funcaccel._rng import capture_rng_state
-from funcaccel._rng import restore_rng_state
+import funcaccel.checkpoint._layout
 from funcaccel.accumulate import GradState
 from funcaccel.checkpoint import SCHEMA_VERSION
 from funcaccel.checkpoint import CheckpointMeta
@@ -44,6 +42,8 @@ from funcaccel.loader import LoaderState
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
+from funcaccel.rng import capture_rng_state
+from funcaccel.rng import restore_rng_state
 from tests._dist import run_processes
 from tests._dist import run_ranks
 
@@ -280,7 +280,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path) -> None:
     )
     for name, entry in meta.files.items():
         assert entry.size == (path / name).stat().st_size
-        assert entry.sha256 == funcaccel._layout.sha256_of(path / name)
+        assert entry.sha256 == funcaccel.checkpoint._layout.sha256_of(path / name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -454,7 +454,7 @@ def _save_then_die(rank: int, world: int, tmp: Path, root: Path, point: str) -> 
     del rank, world, tmp  # one process, no group
     save_checkpoint(ONE, root, models=_Net(), extra={"which": "first"})
     if point == "file":
-        original = funcaccel._layout.write_torch_file
+        original = funcaccel.checkpoint._layout.write_torch_file
 
         def dying_write(obj: object, path: Path) -> tuple[int, str]:
             original(obj, path)
@@ -462,7 +462,7 @@ def _save_then_die(rank: int, world: int, tmp: Path, root: Path, point: str) -> 
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        funcaccel._layout.write_torch_file = dying_write
+        funcaccel.checkpoint._layout.write_torch_file = dying_write
     else:
         name = "rename" if point == "rename" else "replace"
 

@@ -8,20 +8,18 @@ fixtures), and each test checks one scenario's results.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 from typing import NamedTuple
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset
 from torch.utils.data import IterableDataset
 
-from funcaccel._dispatch import flatten
-from funcaccel._dispatch import unflatten
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.loader import LoaderState
@@ -112,6 +110,24 @@ def collate_pair(items: list[torch.Tensor]) -> dict[str, Any]:
     batch = torch.stack(items)
     pair = Pair(batch[:, None].float().expand(-1, 3), batch * 10)
     return {"pair": pair, "ids": [batch]}
+
+
+def collate_defaultdict(items: list[torch.Tensor]) -> defaultdict[str, Any]:
+    batch = torch.stack(items)
+    out: defaultdict[str, Any] = defaultdict(list)
+    out["x"] = batch
+    out["nested"] = OrderedDict(y=batch * 2)
+    return out
+
+
+def _describe_mappings(b: Any) -> dict[str, Any]:
+    return {
+        "type": type(b).__name__,
+        "factory": getattr(b.default_factory, "__name__", None),
+        "nested": type(b["nested"]).__name__,
+        "x": b["x"].tolist(),
+        "y": b["nested"]["y"].tolist(),
+    }
 
 
 def slice_rows(data: torch.Tensor, rows: slice) -> dict[str, Any]:
@@ -321,6 +337,10 @@ def _structures(ctx: DistributedContext) -> dict[str, Any]:
             }
             for b in batches
         ]
+    for dispatch in (False, True):
+        dataloader = DataLoader(Indexed(12), batch_size=2, collate_fn=collate_defaultdict)
+        batches = list(shard_loader(ctx, dataloader, dispatch_batches=dispatch))
+        out[f"defaultdict-{dispatch}"] = [_describe_mappings(b) for b in batches]
     dataloader = DataLoader(Indexed(5), batch_size=2)
     out["slice_fn"] = list(
         shard_loader(ctx, dataloader, dispatch_batches=True, slice_fn=slice_rows)
@@ -434,19 +454,19 @@ def test_dispatch_len_needs_a_sized_dataset() -> None:
             "non-tensor",
             "TypeError",
             [],
-            r"dispatch_batches=True can only send tensors, but leaf 'name.0' of global batch 0 is a str \('s0'\)",
+            r"dispatch_batches=True can only send tensors, but leaf batch\['name'\]\[0\] of global batch 0 is a str \('s0'\)",
         ),
         (
             "non-tensor-split",
             "TypeError",
             [],
-            r"leaf 'name.0' of global batch 0 is a str",
+            r"leaf batch\['name'\]\[0\] of global batch 0 is a str",
         ),
         (
             "dtypes",
             "ValueError",
             [0],
-            r"cannot concatenate the \d batches of global batch 1: leaf 'batch' has dtypes torch\.\w+ and torch\.\w+; use a collate_fn that returns the same dtype",
+            r"cannot concatenate the \d batches of global batch 1: leaf batch has dtypes torch\.\w+ and torch\.\w+; use a collate_fn that returns the same dtype",
         ),
         (
             "keys",
@@ -458,7 +478,7 @@ def test_dispatch_len_needs_a_sized_dataset() -> None:
             "zero-d",
             "ValueError",
             [],
-            r"cannot split leaf 'batch' of global batch 0: it is a 0-d tensor",
+            r"cannot split leaf batch of global batch 0: it is a 0-d tensor",
         ),
     ],
 )
@@ -485,7 +505,7 @@ def test_dispatch_shape_mismatch_names_the_leaf_and_shapes_on_every_rank(
 ) -> None:
     expected = (
         "shard_loader: dispatch_batches=True cannot concatenate the 2 batches of global "
-        "batch 1: leaf 'input_ids' has shapes (2, 3) and (2, 5); use a collate_fn that "
+        "batch 1: leaf batch['input_ids'] has shapes (2, 3) and (2, 5); use a collate_fn that "
         "pads to a fixed length, split_batches=True or dispatch_batches=False"
     )
     results = [rank["errors"]["shapes"] for rank in worlds[2]]
@@ -611,32 +631,24 @@ def test_dispatch_rebuilds_nested_batches(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("p", [2, 3])
+def test_dispatch_keeps_defaultdict_batches_as_sharding_does(
+    worlds: dict[int, list[dict[str, Any]]], p: int
+) -> None:
+    for result in worlds[p]:
+        sharded = result["structures"]["defaultdict-False"]
+        dispatched = result["structures"]["defaultdict-True"]
+        assert dispatched == sharded
+        assert dispatched and all(
+            (b["type"], b["factory"], b["nested"]) == ("defaultdict", "list", "OrderedDict")
+            for b in dispatched
+        )
+
+
+@pytest.mark.distributed
 def test_dispatch_slice_fn_gets_the_global_batch_and_rows(
     worlds: dict[int, list[dict[str, Any]]],
 ) -> None:
     rank0, rank1 = (result["structures"]["slice_fn"] for result in worlds[2])
     assert rank0 == [{"x": [0, 1], "rows": (0, 2)}, {"x": [4], "rows": (0, 1)}]
     assert rank1 == [{"x": [2, 3], "rows": (2, 4)}, {"x": [0], "rows": (1, 2)}]
-
-
-# ------------------------------------------------------- flatten / unflatten
-
-leaves = st.one_of(st.integers(), st.text(max_size=3), st.none())
-trees = st.recursive(
-    leaves,
-    lambda children: st.one_of(
-        st.lists(children, max_size=3),
-        st.lists(children, max_size=3).map(tuple),
-        st.dictionaries(st.text(max_size=2), children, max_size=3),
-        st.tuples(children, children).map(lambda t: Pair(*t)),
-    ),
-    max_leaves=12,
-)
-
-
-@given(trees)
-def test_flatten_round_trips(tree: Any) -> None:
-    spec, pairs = flatten(tree)
-    rebuilt = unflatten(spec, [leaf for _, leaf in pairs])
-    assert rebuilt == tree and type(rebuilt) is type(tree)
-    assert flatten(rebuilt)[0] == spec

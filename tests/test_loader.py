@@ -32,17 +32,17 @@ from torch.utils.data import SequentialSampler
 from torch.utils.data import SubsetRandomSampler
 from torch.utils.data import get_worker_info
 
-from funcaccel import _epoch
-from funcaccel import _loader_state
-from funcaccel._loader_setup import kept_settings
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.loader import Batch
 from funcaccel.loader import LoaderState
 from funcaccel.loader import ShardedLoader
+from funcaccel.loader import _indices
+from funcaccel.loader import _state
 from funcaccel.loader import iter_batches
 from funcaccel.loader import send_to_device
 from funcaccel.loader import shard_loader
+from funcaccel.loader._setup import kept_settings
 from tests._dist import run_ranks
 
 # --------------------------------------------------------------------------- helpers
@@ -1371,7 +1371,7 @@ def test_seeded_order_is_torch_random_sampler_order(
 ) -> None:
     sampler = RandomSampler(range(n), replacement=replacement, num_samples=num_samples)
     expected = seeded_order_of_torch(n, seed, replacement, num_samples)
-    assert _epoch.seeded_order(sampler, seed) == expected
+    assert _indices.seeded_order(sampler, seed) == expected
 
 
 def seeded_order_of_torch(
@@ -1386,7 +1386,7 @@ def seeded_order_of_torch(
 
 
 def test_make_batch_builds_the_same_record_as_batch() -> None:
-    made = _loader_state.make_batch([1], 3, False, 4, 2, None)
+    made = _state.make_batch([1], 3, False, 4, 2, None)
     built = Batch(
         data=[1], index=3, is_last=False, remainder=4, epoch=2, total_batch_size=None
     )

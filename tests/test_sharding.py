@@ -254,9 +254,9 @@ def test_sharded_batch_sampler_constructor_validates_too() -> None:
         (-2, 0, ValueError, r"num_processes \(-2\) must be >= 1"),
         (2, -1, ValueError, r"process_index \(-1\) must be >= 0"),
         (4, 4, ValueError, r"process_index \(4\) must be in \[0, num_processes=4\)"),
-        (2.0, 0, TypeError, r"num_processes must be an int, got 2\.0"),
-        (True, 0, TypeError, r"num_processes must be an int, got True"),
-        (2, "1", TypeError, r"process_index must be an int, got '1'"),
+        (2.0, 0, TypeError, r"num_processes must be an int; got 2\.0"),
+        (True, 0, TypeError, r"num_processes must be an int; got True"),
+        (2, "1", TypeError, r"process_index must be an int; got '1'"),
     ],
 )
 def test_shard_functions_reject_bad_world(
@@ -292,10 +292,10 @@ def test_shard_batch_sampler_rejects_bad_base() -> None:
     odd = ListBatchSampler([[0]], batch_size=2)
     odd.drop_last = yes
     with pytest.raises(
-        TypeError, match=r"batch_sampler\.drop_last must be a bool, got 'yes'"
+        TypeError, match=r"batch_sampler\.drop_last must be a bool; got 'yes'"
     ):
         shard_batch_sampler(odd, num_processes=1, process_index=0)
-    with pytest.raises(TypeError, match=r"even_batches must be a bool, got 1"):
+    with pytest.raises(TypeError, match=r"even_batches must be a bool; got 1"):
         shard_batch_sampler(
             sequential_base(4, 2),
             num_processes=1,
@@ -559,8 +559,8 @@ def test_shard_iterable_dataset_matches_spec_table(
             r"batch_size \(3\) must be a multiple",
         ),
         ({"batch_size": 0}, ValueError, r"batch_size \(0\) must be >= 1"),
-        ({"batch_size": None}, TypeError, r"batch_size must be an int, got None"),
-        ({"drop_last": None}, TypeError, r"drop_last must be a bool, got None"),
+        ({"batch_size": None}, TypeError, r"batch_size must be an int; got None"),
+        ({"drop_last": None}, TypeError, r"drop_last must be a bool; got None"),
     ],
 )
 def test_shard_iterable_dataset_rejects_bad_options(

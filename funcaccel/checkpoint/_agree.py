@@ -1,0 +1,123 @@
+"""The checks ``save_checkpoint`` and ``load_checkpoint`` run, agreed across ranks.
+
+Save side: the values written into the manifest (``grad``, ``loader``, ``extra``,
+``keep_last``). Load side: the manifest against the objects passed. ``_all_gather``
+and ``_raise_failures`` let every rank raise when any rank failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from funcaccel._dist_types import is_fsdp_module
+from funcaccel.checkpoint import _formats
+from funcaccel.checkpoint._manifest import CheckpointMeta
+from funcaccel.checkpoint._manifest import check_json_value
+from funcaccel.checkpoint._manifest import read_manifest
+from funcaccel.context import DistributedContext
+from funcaccel.grad_state import GradState
+from funcaccel.loader import LoaderState
+from funcaccel.model import unwrap_model
+
+T = TypeVar("T")
+
+
+def _all_gather(ctx: DistributedContext, value: T) -> list[T]:
+    if ctx.num_processes == 1:
+        return [value]
+    gathered: list[Any] = [None] * ctx.num_processes
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_failures(errors: Sequence[str | None], what: str, caller: str) -> None:
+    """Raise one error naming every rank that failed (none waits for the others)."""
+    failures = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failures:
+        msg = f"{caller}: {what}; " + "; ".join(failures)
+        raise RuntimeError(msg)
+
+
+def _check_save_values(
+    caller: str, grad: object, loader: object, extra: object, keep_last: object
+) -> dict[str, Any]:
+    if grad is not None and not isinstance(grad, GradState):
+        msg = f"{caller}: grad must be a GradState or None; got {grad!r} ({type(grad).__name__})."
+        raise TypeError(msg)
+    if loader is not None and not isinstance(loader, LoaderState):
+        msg = f"{caller}: loader must be a LoaderState or None; got {loader!r} ({type(loader).__name__})."
+        raise TypeError(msg)
+    if isinstance(grad, GradState) and grad.micro_step != 0:
+        msg = (
+            f"{caller}: grad has an open accumulation window (micro_step="
+            f"{grad.micro_step} of accumulation_steps={grad.accumulation_steps}); its "
+            "gradients are not part of a checkpoint, so a resume would lose them. Save "
+            "right after an optimizer step, when grad.sync_gradients is True."
+        )
+        raise ValueError(msg)
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        msg = f"{caller}: keep_last must be an int >= 1 or None; got {keep_last!r}."
+        raise ValueError(msg)
+    if extra is not None and not isinstance(extra, Mapping):
+        msg = f"{caller}: extra must be a dict of JSON values or None; got {extra!r}."
+        raise TypeError(msg)
+    copied: dict[str, Any] = check_json_value(dict(extra or {}), "extra", caller)
+    return copied
+
+
+def _check_counts(
+    meta: CheckpointMeta, objs: _formats.StateObjects, root: Path, caller: str
+) -> None:
+    for label, saved, passed in (
+        ("models", meta.models, len(objs.models)),
+        ("optimizers", meta.optimizers, len(objs.optimizers)),
+        ("schedulers", meta.schedulers, len(objs.schedulers)),
+        ("scaler", int(meta.scaler), int(objs.scaler is not None)),
+        ("objects", sorted(meta.objects), sorted(objs.named)),
+    ):
+        if saved != passed:
+            msg = (
+                f"{caller}: {root} holds {label}={saved}, but {label}={passed} was "
+                f"passed; pass the same {label} as when it was saved, in that order."
+            )
+            raise ValueError(msg)
+    if meta.state_format == "torch":
+        for index, model in enumerate(objs.models):
+            if is_fsdp_module(unwrap_model(model)):
+                msg = (
+                    f"{caller}: {root} holds whole (unsharded) state dicts, but "
+                    f"models[{index}] is sharded by FSDP2; load it into the unsharded "
+                    "model, or resume from a checkpoint saved with FSDP2."
+                )
+                raise ValueError(msg)
+
+
+def _read_checked(
+    ctx: DistributedContext,
+    root: Path,
+    objs: _formats.StateObjects,
+    *,
+    verify: bool,
+    caller: str,
+) -> CheckpointMeta:
+    error: ValueError | None = None
+    meta: CheckpointMeta | None = None
+    try:
+        meta = read_manifest(root, verify=verify, caller=caller)
+        _check_counts(meta, objs, root, caller)
+    except ValueError as failure:
+        error = failure
+    # Every rank learns of any failure before the collective DCP load can start.
+    errors = _all_gather(ctx, None if error is None else str(error))
+    if error is not None:
+        raise error
+    errors[ctx.process_index] = None
+    _raise_failures(errors, f"{root} cannot be loaded", caller)
+    assert meta is not None
+    return meta

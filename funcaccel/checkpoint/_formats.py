@@ -1,0 +1,377 @@
+"""The torch objects a checkpoint holds, and how their state reaches the disk.
+
+``check_state_objects`` validates what a caller passes to save or load (models,
+optimizers, schedulers, scaler, other ``Stateful`` objects) into a ``StateObjects``
+value. Their tensors are stored in one of two formats, chosen by ``choose_format``:
+
+- ``"torch"`` (one process, or DDP, where every rank holds the whole model): rank 0
+  writes each (unwrapped) model's and optimizer's ``state_dict()`` to its own file
+  with ``torch.save``; every rank reads them back with
+  ``torch.load(..., weights_only=True)`` onto the CPU.
+- ``"dcp"`` (any model sharded by FSDP2): models and optimizers go through
+  ``torch.distributed.checkpoint``; each rank writes its own shards, and DCP
+  reshards on load, so a checkpoint written on 2 processes loads on 1 or 3.
+
+Schedulers, the scaler and other objects are always whole files from rank 0, and
+each rank writes its own RNG file. Every file is fsynced after writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from typing import Literal
+from typing import TypeAlias
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from funcaccel._dist_types import is_fsdp_module
+from funcaccel._typing import Stateful
+from funcaccel.checkpoint import _layout
+from funcaccel.checkpoint._manifest import FileEntry
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+from funcaccel.model import unwrap_model
+from funcaccel.rng import capture_rng_state
+
+__all__ = [
+    "StateFormat",
+    "StateObjects",
+    "Stateful",
+    "check_state_objects",
+    "choose_format",
+    "load_sharded",
+    "load_state_file",
+    "load_state_objects",
+    "pair_optimizers",
+    "save_sharded",
+    "write_state_files",
+]
+
+StateFormat: TypeAlias = Literal["torch", "dcp"]
+T = TypeVar("T")
+
+
+def _as_tuple(
+    value: object, kind: type[T], what: str, name: str, caller: str
+) -> tuple[T, ...]:
+    if isinstance(value, kind):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = tuple(value)
+        if all(isinstance(item, kind) for item in items):
+            return items
+    msg = (
+        f"{caller}: {name} must be {what} or a sequence of them; got {value!r} "
+        f"({type(value).__name__})."
+    )
+    raise TypeError(msg)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateObjects:
+    """The torch objects a caller passes to save or load, validated, as tuples."""
+
+    models: tuple[nn.Module, ...]
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    schedulers: tuple[Stateful, ...]
+    scaler: torch.amp.GradScaler | None
+    named: dict[str, Stateful]
+
+
+def check_state_objects(
+    ctx: object,
+    caller: str,
+    models: object,
+    optimizers: object,
+    schedulers: object,
+    scaler: object,
+    objects: object,
+) -> StateObjects:
+    """Validate what ``caller`` was given (and its process group) into a record.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an ``objects`` key that cannot name a file.
+        RuntimeError: ``ctx`` has several processes and no matching default group.
+    """
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"({type(ctx).__name__}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        msg = (
+            f"{caller}: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
+        )
+        raise TypeError(msg)
+    if objects is not None and not isinstance(objects, Mapping):
+        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {objects!r}."
+        raise TypeError(msg)
+    named = dict(objects or {})
+    for key, value in named.items():
+        if not isinstance(key, str) or not key.replace("_", "").isalnum():
+            msg = f"{caller}: objects keys name files and must be letters, digits and '_'; got {key!r}."
+            raise ValueError(msg)
+        if not isinstance(value, Stateful):
+            msg = f"{caller}: objects[{key!r}] needs state_dict()/load_state_dict(); got {type(value).__name__}."
+            raise TypeError(msg)
+    require_process_group(ctx, caller)
+    return StateObjects(
+        _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
+        _as_tuple(
+            optimizers,
+            torch.optim.Optimizer,
+            "a torch.optim.Optimizer",
+            "optimizers",
+            caller,
+        ),
+        _as_tuple(
+            schedulers,
+            Stateful,  # type: ignore[type-abstract]
+            "an object with state_dict()/load_state_dict()",
+            "schedulers",
+            caller,
+        ),
+        scaler,
+        named,
+    )
+
+
+def choose_format(models: Sequence[nn.Module]) -> StateFormat:
+    """Return ``"dcp"`` when any model is sharded by FSDP2, else ``"torch"``.
+
+    >>> choose_format([nn.Linear(1, 1)])
+    'torch'
+    """
+    return "dcp" if any(is_fsdp_module(unwrap_model(m)) for m in models) else "torch"
+
+
+def pair_optimizers(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    caller: str,
+) -> tuple[int, ...]:
+    """Return, per optimizer, the index of the model that owns all its parameters.
+
+    DCP names optimizer state by parameter names, so each optimizer is saved
+    together with its model.
+
+    Raises:
+        ValueError: an optimizer whose parameters are not all in one model.
+
+    >>> net = nn.Linear(2, 1)
+    >>> pair_optimizers([nn.Linear(1, 1), net], [torch.optim.SGD(net.parameters())], caller="f")
+    (1,)
+    """
+    owners = [{id(p) for p in unwrap_model(m).parameters()} for m in models]
+    pairs: list[int] = []
+    for index, optimizer in enumerate(optimizers):
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        found = [i for i, owned in enumerate(owners) if params <= owned]
+        if not found:
+            msg = (
+                f"{caller}: optimizers[{index}] updates parameters that are not all in "
+                f"one of the {len(models)} model(s) passed; sharded (DCP) checkpoints "
+                "save an optimizer with its model, so pass every model the optimizers "
+                "update, and use one optimizer per model."
+            )
+            raise ValueError(msg)
+        pairs.append(found[0])
+    return tuple(pairs)
+
+
+@contextlib.contextmanager
+def _single_process_warning_ignored() -> Iterator[None]:
+    # DCP warns on every single-process call that it "assumes the intent is to load
+    # in a single process"; with one process that is exactly the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
+
+
+def _dcp_state(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    pairs: Sequence[int],
+) -> dict[str, Any]:
+    # torch.distributed.checkpoint takes seconds to import: only sharded models
+    # need it, so it is imported here rather than with funcaccel.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state: dict[str, Any] = {}
+    for index, model in enumerate(models):
+        state[f"model_{index}"] = get_model_state_dict(model)
+    for index, (optimizer, owner) in enumerate(zip(optimizers, pairs, strict=True)):
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(models[owner], optimizer)
+    return state
+
+
+def save_sharded(
+    ctx: DistributedContext,
+    directory: Path,
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    caller: str,
+) -> None:
+    """Write the models' and optimizers' (sharded) state to ``directory`` with DCP.
+
+    Collective: every rank calls it with its own shards.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    pairs = pair_optimizers(models, optimizers, caller=caller)
+    state = _dcp_state(models, optimizers, pairs)
+    writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
+    with _single_process_warning_ignored():
+        dcp_save(state, storage_writer=writer, no_dist=ctx.num_processes == 1)
+
+
+def load_sharded(
+    ctx: DistributedContext,
+    directory: Path,
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    caller: str,
+) -> None:
+    """Load ``models`` and ``optimizers`` in place from a DCP checkpoint in ``directory``.
+
+    Works for FSDP2, DDP and plain modules alike, on any world size: DCP reads the
+    parts of each tensor this rank holds. Collective with several processes.
+
+    Raises:
+        ValueError: the checkpoint does not hold these models' tensors (different
+            architecture, or a different number of models or optimizers).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    pairs = pair_optimizers(models, optimizers, caller=caller)
+    state = _dcp_state(models, optimizers, pairs)
+    reader = FileSystemReader(directory)
+    try:
+        with _single_process_warning_ignored():
+            dcp_load(state, storage_reader=reader, no_dist=ctx.num_processes == 1)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        msg = (
+            f"{caller}: the sharded state in {directory} does not fit the models and "
+            f"optimizers passed ({first}); pass the same architecture, models and "
+            "optimizers as when it was saved."
+        )
+        raise ValueError(msg) from error
+    for index, model in enumerate(models):
+        set_model_state_dict(model, state[f"model_{index}"])
+    for index, (optimizer, owner) in enumerate(zip(optimizers, pairs, strict=True)):
+        set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{index}"])
+
+
+def write_state_files(
+    ctx: DistributedContext,
+    temporary: Path,
+    objs: StateObjects,
+    *,
+    rng: bool,
+    whole: bool,
+) -> dict[str, FileEntry]:
+    """Write this rank's files of a checkpoint into ``temporary``.
+
+    Every rank writes its RNG file (with ``rng``); rank 0 writes the schedulers,
+    scaler and named objects, and with ``whole`` the unwrapped models and the
+    optimizers (replicated under DDP, so one copy suffices).
+
+    Returns:
+        The manifest entries of the files written, by name.
+    """
+    entries: dict[str, FileEntry] = {}
+
+    def write(name: str, obj: object) -> None:
+        size, digest = _layout.write_torch_file(obj, temporary / name)
+        entries[name] = FileEntry(size=size, sha256=digest)
+
+    if rng:
+        write(f"rng_rank_{ctx.process_index}.pt", capture_rng_state())
+    if not ctx.is_main_process:
+        return entries
+    if whole:
+        for index, model in enumerate(objs.models):
+            write(f"model_{index}.pt", unwrap_model(model).state_dict())
+        for index, optimizer in enumerate(objs.optimizers):
+            write(f"optimizer_{index}.pt", optimizer.state_dict())
+    for index, scheduler in enumerate(objs.schedulers):
+        write(f"scheduler_{index}.pt", scheduler.state_dict())
+    if objs.scaler is not None:
+        write("scaler.pt", objs.scaler.state_dict())
+    for key, value in objs.named.items():
+        write(f"object_{key}.pt", value.state_dict())
+    return entries
+
+
+def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> None:
+    """Load ``target`` in place from ``file``; ``what`` names it in errors.
+
+    Raises:
+        ValueError: the file is unreadable or its state does not fit ``target``.
+    """
+    state = _layout.read_torch_file(file, caller=caller)
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        msg = (
+            f"{caller}: {file} does not fit {what} ({type(error).__name__}: {first}); "
+            f"pass the same {what.split('[')[0]} as when the checkpoint was saved."
+        )
+        raise ValueError(msg) from error
+
+
+def load_state_objects(
+    ctx: DistributedContext,
+    root: Path,
+    objs: StateObjects,
+    *,
+    state_format: StateFormat,
+    caller: str,
+) -> None:
+    """Load every object of ``objs`` in place from the checkpoint in ``root``.
+
+    Collective for the ``"dcp"`` format. Models are loaded unwrapped.
+
+    Raises:
+        ValueError: a file is unreadable or does not fit its object.
+    """
+    if state_format == "dcp":
+        load_sharded(ctx, root / "dcp", objs.models, objs.optimizers, caller=caller)
+    else:
+        for index, model in enumerate(objs.models):
+            path, what = root / f"model_{index}.pt", f"models[{index}]"
+            load_state_file(unwrap_model(model), path, what, caller)
+        for index, optimizer in enumerate(objs.optimizers):
+            path, what = root / f"optimizer_{index}.pt", f"optimizers[{index}]"
+            load_state_file(optimizer, path, what, caller)
+    for index, scheduler in enumerate(objs.schedulers):
+        path, what = root / f"scheduler_{index}.pt", f"schedulers[{index}]"
+        load_state_file(scheduler, path, what, caller)
+    if objs.scaler is not None:
+        load_state_file(objs.scaler, root / "scaler.pt", "scaler", caller)
+    for key, value in objs.named.items():
+        load_state_file(value, root / f"object_{key}.pt", f"objects[{key!r}]", caller)

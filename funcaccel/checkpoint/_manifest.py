@@ -1,0 +1,304 @@
+"""A checkpoint's manifest: what it holds, which files, and whether they are intact.
+
+``manifest.json`` is the last file a save writes, so a checkpoint directory is
+complete exactly when it has one (and every file it lists has its recorded size).
+Its content is a ``CheckpointMeta`` value serialised to plain JSON: counts of the
+saved objects, the saving world size, the ``GradState`` and ``LoaderState``, user
+metadata, and per file its size and SHA-256.
+
+>>> meta = CheckpointMeta(world_size=2, models=1, extra={"step": 10})
+>>> CheckpointMeta.from_dict(json.loads(json.dumps(meta.to_dict()))) == meta
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from typing import Final
+from typing import Literal
+from typing import TypeVar
+
+from funcaccel.checkpoint import _layout
+from funcaccel.grad_state import GradState
+from funcaccel.loader import LoaderState
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CheckpointMeta",
+    "FileEntry",
+    "check_json_value",
+    "read_manifest",
+]
+
+SCHEMA_VERSION: Final = 1
+"""The manifest schema this funcaccel writes and reads."""
+_FORMAT_TAG: Final = "funcaccel-checkpoint"
+_HEX: Final = frozenset("0123456789abcdef")
+T = TypeVar("T")
+
+
+def check_json_value(value: object, where: str, caller: str) -> Any:
+    """Return a deep copy of ``value`` after checking that JSON round-trips it exactly.
+
+    Allowed: str, int, finite float, bool, None, lists and str-keyed dicts of them.
+
+    >>> check_json_value({"step": 3, "tags": ["a"]}, "extra", "f")
+    {'step': 3, 'tags': ['a']}
+    >>> check_json_value({"t": (1, 2)}, "extra", "f")
+    Traceback (most recent call last):
+    ...
+    TypeError: f: extra['t'] must be JSON (str, int, finite float, bool, None, list, ...
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, list):
+        return [
+            check_json_value(v, f"{where}[{i}]", caller) for i, v in enumerate(value)
+        ]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {
+            k: check_json_value(v, f"{where}[{k!r}]", caller) for k, v in value.items()
+        }
+    msg = (
+        f"{caller}: {where} must be JSON (str, int, finite float, bool, None, list, "
+        f"dict with str keys); got {value!r} ({type(value).__name__}). Convert it, "
+        "e.g. a tuple to a list."
+    )
+    raise TypeError(msg)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FileEntry:
+    """One file of a checkpoint as its manifest records it.
+
+    Args:
+        size: its size in bytes (>= 0).
+        sha256: its hex SHA-256, or ``None`` for DCP shard files (not hashed).
+    """
+
+    size: int
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.size) is not int or self.size < 0:
+            msg = f"FileEntry: size must be an int >= 0; got {self.size!r}."
+            raise ValueError(msg)
+        digest = self.sha256
+        if digest is not None and (
+            not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX
+        ):
+            msg = f"FileEntry: sha256 must be 64 lowercase hex digits or None; got {digest!r}."
+            raise ValueError(msg)
+
+
+def _field(
+    data: Mapping[str, object], key: str, kind: type[T] | tuple[type, ...]
+) -> Any:
+    value = data[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        msg = f"CheckpointMeta.from_dict: {key!r} has the wrong type: got {value!r} ({type(value).__name__})."
+        raise TypeError(msg)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointMeta:
+    """What a checkpoint's ``manifest.json`` holds: counts, values and the file list.
+
+    Args:
+        world_size: processes that wrote it (>= 1).
+        state_format: ``"torch"`` (whole state dicts) or ``"dcp"`` (sharded).
+        models, optimizers, schedulers: how many of each were saved (>= 0).
+        scaler: whether a grad scaler was saved.
+        objects: names of the other ``Stateful`` objects saved.
+        rng: whether every rank's RNG states were saved.
+        grad: the saved ``GradState``, or ``None``.
+        loader: the saved ``LoaderState``, or ``None``.
+        extra: user metadata (JSON values; copied).
+        files: every file by path relative to the checkpoint, with its ``FileEntry``.
+        schema_version: the manifest schema (``SCHEMA_VERSION``).
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: a field out of range.
+    """
+
+    world_size: int
+    state_format: Literal["torch", "dcp"] = "torch"
+    models: int = 0
+    optimizers: int = 0
+    schedulers: int = 0
+    scaler: bool = False
+    objects: tuple[str, ...] = ()
+    rng: bool = False
+    grad: GradState | None = None
+    loader: LoaderState | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    files: Mapping[str, FileEntry] = dataclasses.field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        owner = "CheckpointMeta"
+        for name in (
+            "world_size",
+            "models",
+            "optimizers",
+            "schedulers",
+            "schema_version",
+        ):
+            value, least = getattr(self, name), int(name == "world_size")
+            if type(value) is not int:
+                msg = f"{owner}: {name} must be an int; got {value!r} ({type(value).__name__})."
+                raise TypeError(msg)
+            if value < least:
+                msg = f"{owner}: {name} must be >= {least}; got {value}."
+                raise ValueError(msg)
+        if self.state_format not in ("torch", "dcp"):
+            msg = f"{owner}: state_format must be 'torch' or 'dcp'; got {self.state_format!r}."
+            raise ValueError(msg)
+        for name in ("scaler", "rng"):
+            if type(getattr(self, name)) is not bool:
+                msg = f"{owner}: {name} must be a bool; got {getattr(self, name)!r}."
+                raise TypeError(msg)
+        if not isinstance(self.objects, tuple) or not all(
+            isinstance(o, str) for o in self.objects
+        ):
+            msg = f"{owner}: objects must be a tuple of str; got {self.objects!r}."
+            raise TypeError(msg)
+        if self.grad is not None and not isinstance(self.grad, GradState):
+            msg = f"{owner}: grad must be a GradState or None; got {self.grad!r}."
+            raise TypeError(msg)
+        if self.loader is not None and not isinstance(self.loader, LoaderState):
+            msg = f"{owner}: loader must be a LoaderState or None; got {self.loader!r}."
+            raise TypeError(msg)
+        object.__setattr__(self, "extra", check_json_value(self.extra, "extra", owner))
+        if not isinstance(self.extra, dict):
+            msg = f"{owner}: extra must be a dict; got {self.extra!r}."
+            raise TypeError(msg)
+        if not isinstance(self.files, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, FileEntry)
+            for k, v in self.files.items()
+        ):
+            msg = f"{owner}: files must map str to FileEntry; got {self.files!r}."
+            raise TypeError(msg)
+        object.__setattr__(self, "files", dict(self.files))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the manifest as a new JSON-serialisable dict."""
+        return {
+            "format": _FORMAT_TAG,
+            "schema_version": self.schema_version,
+            "world_size": self.world_size,
+            "state_format": self.state_format,
+            "models": self.models,
+            "optimizers": self.optimizers,
+            "schedulers": self.schedulers,
+            "scaler": self.scaler,
+            "objects": list(self.objects),
+            "rng": self.rng,
+            "grad": None if self.grad is None else self.grad.to_dict(),
+            "loader": None if self.loader is None else self.loader.to_dict(),
+            "extra": check_json_value(self.extra, "extra", "CheckpointMeta.to_dict"),
+            "files": {
+                k: {"size": v.size, "sha256": v.sha256} for k, v in self.files.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> CheckpointMeta:
+        """Rebuild a manifest from ``to_dict()``'s output (after a JSON round trip).
+
+        Raises:
+            TypeError: a value of the wrong type.
+            ValueError: not a funcaccel manifest, another schema version, or missing
+                or unknown keys.
+        """
+        owner = "CheckpointMeta.from_dict"
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT_TAG:
+            msg = f"{owner}: not a funcaccel checkpoint manifest (no 'format': {_FORMAT_TAG!r})."
+            raise ValueError(msg)
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            msg = (
+                f"{owner}: schema_version is {version!r}, but this funcaccel reads "
+                f"version {SCHEMA_VERSION}; load it with the funcaccel that wrote it."
+            )
+            raise ValueError(msg)
+        expected = set(cls(world_size=1).to_dict())
+        missing, unknown = sorted(expected - set(data)), sorted(set(data) - expected)
+        if missing or unknown:
+            msg = f"{owner}: missing keys {missing}, unknown keys {unknown}."
+            raise ValueError(msg)
+        grad, loader = data["grad"], data["loader"]
+        files = _field(data, "files", dict)
+        return cls(
+            world_size=_field(data, "world_size", int),
+            state_format=_field(data, "state_format", str),
+            models=_field(data, "models", int),
+            optimizers=_field(data, "optimizers", int),
+            schedulers=_field(data, "schedulers", int),
+            scaler=_field(data, "scaler", bool),
+            objects=tuple(_field(data, "objects", list)),
+            rng=_field(data, "rng", bool),
+            grad=None
+            if grad is None
+            else GradState.from_dict(_field(data, "grad", dict)),
+            loader=None
+            if loader is None
+            else LoaderState.from_dict(_field(data, "loader", dict)),
+            extra=_field(data, "extra", dict),
+            files={str(k): _file_entry(k, v) for k, v in files.items()},
+        )
+
+
+def _file_entry(name: object, value: object) -> FileEntry:
+    if not isinstance(value, dict) or set(value) != {"size", "sha256"}:
+        msg = f"CheckpointMeta.from_dict: files[{name!r}] must be {{'size': ..., 'sha256': ...}}; got {value!r}."
+        raise ValueError(msg)
+    return FileEntry(size=value["size"], sha256=value["sha256"])
+
+
+def _file_problem(file: Path, entry: FileEntry, *, verify: bool) -> str | None:
+    if not file.is_file():
+        return "is missing"
+    size = file.stat().st_size
+    if size != entry.size:
+        return f"has {size} bytes but the manifest records {entry.size} (truncated?)"
+    if verify and entry.sha256 is not None and _layout.sha256_of(file) != entry.sha256:
+        return "does not match the SHA-256 the manifest records"
+    return None
+
+
+def read_manifest(root: Path, *, verify: bool, caller: str) -> CheckpointMeta:
+    """Read ``root``'s manifest and check the files it lists (see ``read_checkpoint_meta``)."""
+    manifest = root / _layout.MANIFEST_NAME
+    if not manifest.is_file():
+        msg = (
+            f"{caller}: {manifest} is missing, so {root} is not a complete checkpoint "
+            "(an interrupted save leaves none); use latest_checkpoint(directory) to "
+            "find the newest complete one."
+        )
+        raise ValueError(msg)
+    try:
+        meta = CheckpointMeta.from_dict(
+            json.loads(manifest.read_text(encoding="utf-8"))
+        )
+    except (ValueError, TypeError) as error:
+        msg = f"{caller}: {manifest} is not a valid manifest: {error}"
+        raise ValueError(msg) from error
+    for name, entry in meta.files.items():
+        problem = _file_problem(root / name, entry, verify=verify)
+        if problem is not None:
+            msg = (
+                f"{caller}: {root / name} {problem}; the checkpoint is damaged, load "
+                "an earlier one (see list_checkpoints)."
+            )
+            raise ValueError(msg)
+    return meta

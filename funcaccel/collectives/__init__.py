@@ -1,0 +1,36 @@
+"""Collectives over nested tensors: gather, broadcast, reduce, pad, gather for metrics.
+
+``_ops.py`` holds the public functions; ``_exchange.py`` what ranks agree on before
+moving tensors; ``_pad.py`` the padding arithmetic; ``_primitives.py`` the in-place
+broadcast and communication device that the loader and RNG sync build on.
+"""
+
+from __future__ import annotations
+
+from funcaccel.collectives._ops import BatchInfo
+from funcaccel.collectives._ops import Reduction
+from funcaccel.collectives._ops import broadcast
+from funcaccel.collectives._ops import broadcast_object
+from funcaccel.collectives._ops import gather
+from funcaccel.collectives._ops import gather_for_metrics
+from funcaccel.collectives._ops import gather_object
+from funcaccel.collectives._ops import pad_across_processes
+from funcaccel.collectives._ops import reduce
+from funcaccel.collectives._pad import pad_tensor
+from funcaccel.collectives._primitives import broadcast_
+from funcaccel.collectives._primitives import comm_device
+
+__all__ = [
+    "BatchInfo",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "comm_device",
+    "gather",
+    "gather_for_metrics",
+    "gather_object",
+    "pad_across_processes",
+    "pad_tensor",
+    "reduce",
+    "Reduction",
+]

@@ -1,0 +1,377 @@
+"""Collectives over nested tensors: gather, broadcast, reduce, pad, gather for metrics.
+
+Every function takes ``ctx`` first. Data is a tensor or a nested list / tuple / named
+tuple / dict of tensors; the structure is rebuilt (named tuples as their own type),
+the caller's tensors and containers are never modified, and another leaf is a
+``TypeError`` naming its path. With one process every function returns its input
+(``reduce`` an equal copy) and needs no process group; arguments are checked alike.
+With several, ranks first exchange each leaf's shape and dtype, so a disagreement is
+a ``ValueError`` on every rank instead of a hang.
+
+>>> ctx = DistributedContext()
+>>> gather(ctx, {"x": torch.tensor([1, 2])})
+{'x': tensor([1, 2])}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from typing import Final
+from typing import Literal
+from typing import Protocol
+from typing import TypeVar
+from typing import overload
+
+import torch
+import torch.distributed as dist
+
+from funcaccel._tree import rebuild
+from funcaccel.collectives._exchange import all_gather_objects
+from funcaccel.collectives._exchange import check_agree
+from funcaccel.collectives._exchange import exchange
+from funcaccel.collectives._exchange import join_objects
+from funcaccel.collectives._exchange import local_spec
+from funcaccel.collectives._exchange import per_leaf
+from funcaccel.collectives._leaves import is_tensor_tree
+from funcaccel.collectives._leaves import tensor_leaves
+from funcaccel.collectives._pad import check_pad_args
+from funcaccel.collectives._pad import pad_tensor
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+
+__all__ = [
+    "BatchInfo",
+    "Reduction",
+    "broadcast",
+    "broadcast_object",
+    "gather",
+    "gather_for_metrics",
+    "gather_object",
+    "pad_across_processes",
+    "pad_tensor",
+    "reduce",
+]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Mapping[Any, Any])
+Reduction = Literal["sum", "mean", "max"]
+_REDUCTIONS: Final = ("sum", "mean", "max")
+
+
+class BatchInfo(Protocol):
+    """What ``gather_for_metrics`` reads of a batch record from ``iter_batches``."""
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the last batch this rank yields in the epoch."""
+        ...
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the epoch's last global batch; 0 if full, -1 if dropped."""
+        ...
+
+
+def _check_from_process(
+    ctx: DistributedContext, caller: str, from_process: int
+) -> None:
+    if not isinstance(from_process, int) or isinstance(from_process, bool):
+        msg = f"{caller}: from_process must be an int; got {from_process!r}; pass the source rank as an int."
+        raise TypeError(msg)
+    if not 0 <= from_process < ctx.num_processes:
+        msg = f"{caller}: from_process ({from_process}) must be in [0, num_processes={ctx.num_processes}); pass the rank to copy from."
+        raise ValueError(msg)
+
+
+def gather(ctx: DistributedContext, data: T) -> T:
+    """Concatenate every rank's tensors along dim 0, in rank order, on every rank.
+
+    0-d tensors count as shape ``[1]``; dim-0 sizes may differ. ``data`` is not
+    modified. With 2 ranks, rank 0 ``[1, 2]`` and rank 1 ``[3]`` give
+    ``[1, 2, 3]`` on both.
+
+    Raises:
+        TypeError: a leaf is not a tensor.
+        ValueError: on every rank, when the structure, a dtype or a dim but 0 differs.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "gather")
+    paths, flat = tensor_leaves(data, "gather", rows=True)
+    if ctx.num_processes == 1:
+        return data
+    specs = exchange(ctx, "gather", paths, flat)
+    return rebuild(data, _gather_rows(ctx, "gather", paths, flat, specs))
+
+
+def _gather_rows(
+    ctx: DistributedContext,
+    caller: str,
+    paths: list[str],
+    flat: list[torch.Tensor],
+    specs: list[list[tuple[tuple[int, ...], str]]],
+) -> list[torch.Tensor]:
+    out = []
+    for path, tensor, per_rank in zip(paths, flat, specs, strict=True):
+        check_agree(caller, path, per_rank, 1)
+        # gloo's all_gather needs equal shapes: pad to the longest, trim after.
+        sizes = [shape[0] for shape, _ in per_rank]
+        send = pad_tensor(tensor, max(sizes)).contiguous()
+        buffers = [torch.empty_like(send) for _ in sizes]
+        dist.all_gather(buffers, send)
+        out.append(torch.cat([b[:n] for b, n in zip(buffers, sizes, strict=True)]))
+    return out
+
+
+def gather_object(ctx: DistributedContext, obj: list[T] | tuple[T, ...]) -> list[T]:
+    """Return a new list of rank 0's items, then rank 1's, ... on every rank.
+
+    Items must pickle. With 2 ranks, rank 0 ``["a"]`` and rank 1 ``["b", "c"]``
+    give ``["a", "b", "c"]`` on both. With one process ``obj`` itself is returned
+    (a tuple as a list of its items).
+
+    Raises:
+        TypeError: ``obj`` is not a list or tuple (on every rank when any rank's is not).
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "gather_object")
+    if ctx.num_processes == 1:
+        join_objects("gather_object", "obj", [obj])
+        return obj if isinstance(obj, list) else list(obj)
+    # Exchange first, check after: every rank sees every rank's type alike.
+    out: list[T] = join_objects("gather_object", "obj", all_gather_objects(ctx, obj))
+    return out
+
+
+def broadcast(ctx: DistributedContext, data: T, *, from_process: int = 0) -> T:
+    """Return rank ``from_process``'s tensors on every rank; ``data`` is not modified.
+
+    Every rank passes tensors of the same shapes and dtypes (their values are
+    ignored, except on ``from_process``). With 2 ranks, rank 0 ``[1., 2.]`` and
+    rank 1 ``[0., 0.]`` give ``[1., 2.]`` on both (``[0., 0.]`` with
+    ``from_process=1``).
+
+    Raises:
+        TypeError: a leaf is not a tensor, or ``from_process`` not an int.
+        ValueError: ``from_process`` out of range; on every rank, a structure,
+            shape or dtype that differs across ranks.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "broadcast")
+    _check_from_process(ctx, "broadcast", from_process)
+    paths, leaves = tensor_leaves(data, "broadcast")
+    if ctx.num_processes == 1:
+        return data
+    for path, per_rank in zip(
+        paths, exchange(ctx, "broadcast", paths, leaves), strict=True
+    ):
+        check_agree("broadcast", path, per_rank, 0)
+    out = [t.detach().clone(memory_format=torch.contiguous_format) for t in leaves]
+    for tensor in out:
+        dist.broadcast(tensor, src=from_process)
+    return rebuild(data, out)
+
+
+def broadcast_object(ctx: DistributedContext, obj: T, *, from_process: int = 0) -> T:
+    """Return rank ``from_process``'s picklable ``obj`` on every rank.
+
+    Other ranks' ``obj`` is ignored (pass ``None``). With 2 ranks, rank 0
+    ``{"seed": 7}`` and rank 1 ``None`` give ``{"seed": 7}`` on both.
+
+    Raises:
+        TypeError: ``from_process`` is not an int.
+        ValueError: ``from_process`` is out of range.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "broadcast_object")
+    _check_from_process(ctx, "broadcast_object", from_process)
+    if ctx.num_processes == 1:
+        return obj
+    holder: list[T] = [obj]
+    dist.broadcast_object_list(holder, src=from_process)
+    return holder[0]
+
+
+def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction) -> T:
+    """Return the element-wise sum, mean (sum / p) or max over ranks, on every rank.
+
+    New tensors are returned (an equal copy with one process); ``data`` is not
+    modified. With 2 ranks, rank 0 ``[1., 4.]`` and rank 1 ``[3., 2.]`` give sum
+    ``[4., 6.]``, mean ``[2., 3.]``, max ``[3., 4.]``.
+
+    Raises:
+        ValueError: ``reduction`` is not "sum", "mean" or "max"; on every rank, a
+            structure, shape or dtype that differs across ranks.
+        TypeError: a leaf is not a tensor, "mean" of an integer or bool tensor, or
+            "max" of a complex one.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "reduce")
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        msg = f"reduce: reduction must be 'sum', 'mean' or 'max'; got {reduction!r}."
+        raise ValueError(msg)
+    paths, leaves = tensor_leaves(data, "reduce")
+    if ctx.num_processes > 1:
+        specs = exchange(ctx, "reduce", paths, leaves)
+        for path, per_rank in zip(paths, specs, strict=True):
+            check_agree("reduce", path, per_rank, 0)
+    # Checked after the exchange: dtypes now agree, so every rank raises alike.
+    for path, tensor in zip(paths, leaves, strict=True):
+        floating = tensor.is_floating_point() or tensor.is_complex()
+        if (reduction == "mean" and not floating) or (
+            reduction == "max" and tensor.is_complex()
+        ):
+            msg = f"reduce: reduction={reduction!r} is undefined for {path} of dtype {tensor.dtype}; cast it to a floating dtype or use 'sum'."
+            raise TypeError(msg)
+    out = [t.detach().clone(memory_format=torch.contiguous_format) for t in leaves]
+    op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
+    if ctx.num_processes > 1:
+        for tensor in out:
+            dist.all_reduce(tensor, op=op)
+            if reduction == "mean":
+                tensor.div_(ctx.num_processes)
+    return rebuild(data, out)
+
+
+def pad_across_processes(
+    ctx: DistributedContext,
+    data: T,
+    *,
+    dim: int = 0,
+    pad_index: float = 0,
+    pad_first: bool = False,
+) -> T:
+    """Pad every leaf along ``dim`` to the largest size on any rank.
+
+    Padding is ``pad_index``, after the data (before it with ``pad_first``); leaves
+    with fewer than ``dim + 1`` dims are returned as they are, as is a leaf already
+    of the largest size. ``data`` is not modified. With 2 ranks, rank 0 ``[1, 2, 3]``
+    and rank 1 ``[4]``: rank 0 keeps ``[1, 2, 3]``, rank 1 gets ``[4, 0, 0]``
+    (``[0, 0, 4]`` with ``pad_first``).
+
+    Raises:
+        TypeError: a leaf is not a tensor, ``dim`` not an int or ``pad_index`` not
+            a number.
+        ValueError: ``dim`` is negative; on every rank, a structure that
+            differs across ranks.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    require_process_group(ctx, "pad_across_processes")
+    check_pad_args("pad_across_processes", dim, pad_index)
+    paths, leaves = tensor_leaves(data, "pad_across_processes")
+    if ctx.num_processes == 1:
+        return data
+    specs = exchange(ctx, "pad_across_processes", paths, leaves)
+    longest = [
+        max((s[dim] for s, _ in per_rank if len(s) > dim), default=0)
+        for per_rank in specs
+    ]
+    out = [
+        t
+        if t.ndim <= dim
+        else pad_tensor(t, n, dim=dim, pad_index=pad_index, pad_first=pad_first)
+        for t, n in zip(leaves, longest, strict=True)
+    ]
+    return rebuild(data, out)
+
+
+def _check_batch(batch: BatchInfo | None) -> None:
+    if batch is None:
+        return
+    is_last = getattr(batch, "is_last", None)
+    remainder = getattr(batch, "remainder", None)
+    if (
+        not isinstance(is_last, bool)
+        or not isinstance(remainder, int)
+        or isinstance(remainder, bool)
+    ):
+        msg = f"gather_for_metrics: batch must have is_last: bool and remainder: int (a record from iter_batches); got {type(batch).__name__} with is_last={is_last!r}, remainder={remainder!r}."
+        raise TypeError(msg)
+    if remainder < -1:
+        msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}; pass the record iter_batches yields."
+        raise ValueError(msg)
+
+
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: torch.Tensor,
+    *,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
+) -> torch.Tensor: ...
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: list[T],
+    *,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
+) -> list[T]: ...
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: tuple[T, ...],
+    *,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
+) -> tuple[T, ...] | list[T]: ...
+@overload
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: M,
+    *,
+    batch: BatchInfo | None = ...,
+    use_gather_object: bool = ...,
+) -> M: ...
+def gather_for_metrics(
+    ctx: DistributedContext,
+    data: object,
+    *,
+    batch: BatchInfo | None = None,
+    use_gather_object: bool = False,
+) -> object:
+    """Gather ``data`` from every rank, then drop the epoch's looped-back duplicates.
+
+    Objects are gathered as by ``gather_object`` (``data`` must then be a list or
+    tuple) when ``use_gather_object`` is true or any leaf is not a tensor, on any
+    rank; otherwise tensors as by ``gather``. When ``batch.is_last`` and ``batch.remainder > 0`` only the
+    first ``remainder`` items (of the flat list) or rows (of every leaf) are kept.
+    With 2 ranks, ``n=10``, ``bs=3``, the last batch is ``[6, 7, 8]`` on rank 0 and
+    ``[9, 0, 1]`` on rank 1 with ``remainder=4``: both get ``[6, 7, 8, 9]``.
+    With one process ``data`` is returned as it is.
+
+    Raises:
+        TypeError: ``batch`` lacks ``is_last``/``remainder``, or the object path gets
+            data that is not a list or tuple.
+        ValueError: ``batch.remainder < -1``, or as ``gather``.
+        RuntimeError: no process group matches ``ctx``.
+    """
+    caller = "gather_for_metrics"
+    require_process_group(ctx, caller)
+    _check_batch(batch)
+    limit = None
+    if batch is not None and batch.is_last and batch.remainder > 0:
+        limit = batch.remainder
+    objects = use_gather_object or not is_tensor_tree(data)
+    if ctx.num_processes == 1:
+        if objects:
+            join_objects(caller, "data", [data])
+        return data
+    paths, flat = ([], []) if objects else tensor_leaves(data, caller, rows=True)
+    # One exchange settles the path: objects as soon as any rank needs them (an
+    # empty list holds no non-tensor leaf, so ranks can disagree).
+    every = all_gather_objects(
+        ctx, (objects, data if objects else local_spec(paths, flat))
+    )
+    if any(wanted for wanted, _ in every):
+        if not all(wanted for wanted, _ in every):
+            late = all_gather_objects(ctx, None if objects else data)
+            every = [
+                (True, x if w else y) for (w, x), y in zip(every, late, strict=True)
+            ]
+        return join_objects(caller, "data", [x for _, x in every])[:limit]
+    specs = per_leaf(caller, paths, [spec for _, spec in every])
+    return rebuild(
+        data, [t[:limit] for t in _gather_rows(ctx, caller, paths, flat, specs)]
+    )

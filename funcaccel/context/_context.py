@@ -1,0 +1,389 @@
+"""The distributed context: a frozen value describing this process's place in the run.
+
+``DistributedContext`` replaces a process-wide singleton: it is built once
+(``build_context`` reads torchrun's environment) and passed as the first argument to
+every function that needs to know the world. Pure code can build one by hand for any
+rank, without starting a process group:
+
+>>> ctx = DistributedContext(
+...     num_processes=4, process_index=2, distributed_type=DistributedType.MULTI_CPU
+... )
+>>> ctx.is_main_process, ctx.is_last_process, ctx.use_distributed
+(False, False, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from enum import Enum
+from typing import Final
+
+import torch
+import torch.distributed as dist
+
+from funcaccel._typing import MIXED_PRECISION_MODES
+from funcaccel._typing import MixedPrecision
+from funcaccel.context._env import check_mixed_precision
+from funcaccel.context._env import env_int
+from funcaccel.context._env import rendezvous_init_method
+from funcaccel.kwargs import InitProcessGroupKwargs
+
+__all__ = [
+    "DistributedContext",
+    "DistributedType",
+    "build_context",
+    "close_context",
+    "context_from_env",
+    "effective_backend",
+    "effective_timeout",
+    "check_context",
+    "require_process_group",
+]
+
+NCCL_DEFAULT_TIMEOUT: Final = timedelta(seconds=600)
+OTHER_DEFAULT_TIMEOUT: Final = timedelta(seconds=1800)
+
+
+class DistributedType(str, Enum):
+    """How the run is distributed."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DistributedContext:
+    """Where this process stands in the run; built once, never changed.
+
+    Args:
+        num_processes: the world size (>= 1).
+        process_index: this process's global rank, in ``[0, num_processes)``.
+        local_process_index: rank on this machine (>= 0).
+        device: the ``torch.device`` this process computes on.
+        distributed_type: ``NO`` exactly when ``num_processes == 1``; ``MULTI_GPU``
+            needs a CUDA device and ``MULTI_CPU`` a CPU one.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        backend: the torch.distributed backend, or ``None`` with one process.
+
+    Raises:
+        ValueError: a field out of range or inconsistent with another.
+        TypeError: a field of the wrong type.
+    """
+
+    num_processes: int = 1
+    process_index: int = 0
+    local_process_index: int = 0
+    device: torch.device = dataclasses.field(
+        default_factory=lambda: torch.device("cpu")
+    )
+    distributed_type: DistributedType = DistributedType.NO
+    mixed_precision: MixedPrecision = "no"
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = "DistributedContext"
+        for name in ("num_processes", "process_index", "local_process_index"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                msg = f"{owner}: {name} must be an int; got {value!r} ({type(value).__name__})."
+                raise TypeError(msg)
+        if self.num_processes < 1:
+            msg = f"{owner}: num_processes must be >= 1; got {self.num_processes}."
+            raise ValueError(msg)
+        if not 0 <= self.process_index < self.num_processes:
+            msg = (
+                f"{owner}: process_index ({self.process_index}) must be in "
+                f"[0, num_processes={self.num_processes})."
+            )
+            raise ValueError(msg)
+        if self.local_process_index < 0:
+            msg = (
+                f"{owner}: local_process_index must be >= 0; got "
+                f"{self.local_process_index}."
+            )
+            raise ValueError(msg)
+        if not isinstance(self.device, torch.device):
+            msg = (
+                f"{owner}: device must be a torch.device; got {self.device!r} "
+                f"({type(self.device).__name__}). Use e.g. torch.device('cpu')."
+            )
+            raise TypeError(msg)
+        if not isinstance(self.distributed_type, DistributedType):
+            msg = (
+                f"{owner}: distributed_type must be a DistributedType; got "
+                f"{self.distributed_type!r}."
+            )
+            raise TypeError(msg)
+        if self.mixed_precision not in MIXED_PRECISION_MODES:
+            msg = (
+                f"{owner}: mixed_precision must be one of 'no', 'fp16', 'bf16'; got "
+                f"{self.mixed_precision!r}"
+                f"{' (fp8 is not supported)' if str(self.mixed_precision) == 'fp8' else ''}."
+            )
+            raise ValueError(msg)
+        if self.backend is not None and not isinstance(self.backend, str):
+            msg = f"{owner}: backend must be a str or None; got {self.backend!r}."
+            raise TypeError(msg)
+        _check_type_consistency(self)
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is rank 0 on its machine."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the highest global rank."""
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """Whether there is more than one process."""
+        return self.num_processes > 1
+
+
+def _check_type_consistency(ctx: DistributedContext) -> None:
+    owner = "DistributedContext"
+    kind = ctx.distributed_type
+    if ctx.num_processes == 1 and kind is not DistributedType.NO:
+        msg = (
+            f"{owner}: distributed_type is {kind} but num_processes=1; pass "
+            "distributed_type=DistributedType.NO for a single process."
+        )
+        raise ValueError(msg)
+    if ctx.num_processes > 1 and kind is DistributedType.NO:
+        suggestion = "MULTI_GPU" if ctx.device.type == "cuda" else "MULTI_CPU"
+        msg = (
+            f"{owner}: distributed_type is NO but num_processes={ctx.num_processes}; "
+            f"pass distributed_type=DistributedType.{suggestion}."
+        )
+        raise ValueError(msg)
+    if kind is DistributedType.MULTI_GPU and ctx.device.type != "cuda":
+        msg = (
+            f"{owner}: distributed_type MULTI_GPU needs a CUDA device; got "
+            f"device={ctx.device}. Use DistributedType.MULTI_CPU on CPU."
+        )
+        raise ValueError(msg)
+    if kind is DistributedType.MULTI_CPU and ctx.device.type != "cpu":
+        msg = (
+            f"{owner}: distributed_type MULTI_CPU needs a CPU device; got "
+            f"device={ctx.device}. Use DistributedType.MULTI_GPU on CUDA."
+        )
+        raise ValueError(msg)
+
+
+def effective_backend(init_kwargs: InitProcessGroupKwargs, device: torch.device) -> str:
+    """Return the backend a group on ``device`` uses: gloo when "nccl" was left on CPU.
+
+    >>> effective_backend(InitProcessGroupKwargs(), torch.device("cpu"))
+    'gloo'
+    >>> effective_backend(InitProcessGroupKwargs(backend="mpi"), torch.device("cpu"))
+    'mpi'
+    """
+    backend = init_kwargs.backend
+    if backend is None:
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type == "cpu":
+        return "gloo"
+    return backend
+
+
+def effective_timeout(init_kwargs: InitProcessGroupKwargs, backend: str) -> timedelta:
+    """Return the group timeout: the given one, else 600 s for NCCL, 1800 s otherwise.
+
+    >>> effective_timeout(InitProcessGroupKwargs(), "gloo").total_seconds()
+    1800.0
+    """
+    if init_kwargs.timeout is not None:
+        return init_kwargs.timeout
+    return NCCL_DEFAULT_TIMEOUT if backend == "nccl" else OTHER_DEFAULT_TIMEOUT
+
+
+def context_from_env(
+    environ: Mapping[str, str],
+    *,
+    mixed_precision: MixedPrecision = "no",
+    cpu: bool = False,
+    init_kwargs: InitProcessGroupKwargs | None = None,
+) -> DistributedContext:
+    """Build the context torchrun's variables in ``environ`` describe; start nothing.
+
+    Reads only ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and (for a check)
+    ``LOCAL_WORLD_SIZE``; ``environ`` is not modified. With ``WORLD_SIZE`` unset or
+    ``"1"`` the context is a single process.
+
+    Args:
+        environ: a mapping such as ``os.environ`` or a dict in a test.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        cpu: force the CPU even when CUDA is available.
+        init_kwargs: decides the backend (see ``effective_backend``).
+
+    Returns:
+        The context; its device is ``cuda:<LOCAL_RANK % device_count>`` when CUDA is
+        available and ``cpu`` is false, else ``cpu``.
+
+    Raises:
+        ValueError: a missing or malformed variable, or a mixed-precision mode the
+            device cannot run.
+
+    >>> env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    >>> ctx = context_from_env(env, cpu=True)
+    >>> ctx.process_index, ctx.distributed_type.value, ctx.backend
+    (1, 'MULTI_CPU', 'gloo')
+    """
+    use_cuda = torch.cuda.is_available() and not cpu
+    world = environ.get("WORLD_SIZE")
+    if world is None or world.strip() == "1":
+        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        check_mixed_precision(mixed_precision, device)
+        return DistributedContext(device=device, mixed_precision=mixed_precision)
+    num_processes = env_int(environ, "WORLD_SIZE")
+    rank = env_int(environ, "RANK")
+    local_rank = env_int(environ, "LOCAL_RANK")
+    if "LOCAL_WORLD_SIZE" in environ:
+        local_world = env_int(environ, "LOCAL_WORLD_SIZE")
+        if not 0 <= local_rank < local_world:
+            msg = (
+                f"context_from_env: LOCAL_RANK ({local_rank}) must be in "
+                f"[0, LOCAL_WORLD_SIZE={local_world})."
+            )
+            raise ValueError(msg)
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        kind = DistributedType.MULTI_GPU
+    else:
+        device = torch.device("cpu")
+        kind = DistributedType.MULTI_CPU
+    check_mixed_precision(mixed_precision, device)
+    backend = effective_backend(init_kwargs or InitProcessGroupKwargs(), device)
+    try:
+        return DistributedContext(
+            num_processes=num_processes,
+            process_index=rank,
+            local_process_index=local_rank,
+            device=device,
+            distributed_type=kind if num_processes > 1 else DistributedType.NO,
+            mixed_precision=mixed_precision,
+            backend=backend if num_processes > 1 else None,
+        )
+    except ValueError as error:
+        msg = f"context_from_env: the environment gives an invalid context: {error}"
+        raise ValueError(msg) from error
+
+
+def require_process_group(ctx: DistributedContext, caller: str) -> None:
+    """Check that a default group matching ``ctx`` is initialised when it must be.
+
+    Nothing is needed with one process.
+
+    Raises:
+        RuntimeError: ``ctx.num_processes > 1`` and no default group is initialised,
+            or its world size or rank differ from the context's.
+    """
+    if ctx.num_processes == 1:
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        msg = (
+            f"{caller}: ctx has num_processes={ctx.num_processes} but no default "
+            "process group is initialised; build the context with build_context() "
+            "under torchrun."
+        )
+        raise RuntimeError(msg)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if (world, rank) != (ctx.num_processes, ctx.process_index):
+        msg = (
+            f"{caller}: the default process group has world_size={world}, rank={rank} "
+            f"but ctx has num_processes={ctx.num_processes}, "
+            f"process_index={ctx.process_index}; pass the context of this group."
+        )
+        raise RuntimeError(msg)
+
+
+def build_context(
+    *,
+    mixed_precision: MixedPrecision = "no",
+    cpu: bool = False,
+    init_kwargs: InitProcessGroupKwargs | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DistributedContext:
+    """Build the context from torchrun's environment and start the process group.
+
+    With several processes this sets the current CUDA device (on GPU) and calls
+    ``torch.distributed.init_process_group`` with the effective backend, the
+    handler's ``init_method`` (when ``None``: ``MASTER_ADDR``/``MASTER_PORT`` from
+    ``environ``, through ``"env://"`` for ``os.environ``) and timeout, unless a
+    default group with the same world size and rank already exists (it is reused).
+    With one process nothing is started. No environment variable is written.
+
+    Args:
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        cpu: force the CPU even when CUDA is available.
+        init_kwargs: options for ``init_process_group``.
+        environ: where to read torchrun's variables; ``os.environ`` when ``None``.
+
+    Returns:
+        The context; end the group with ``close_context(ctx)``.
+
+    Raises:
+        ValueError: see ``context_from_env``.
+        RuntimeError: an initialised default group does not match the environment.
+    """
+    kwargs = init_kwargs or InitProcessGroupKwargs()
+    env = os.environ if environ is None else environ
+    ctx = context_from_env(
+        env, mixed_precision=mixed_precision, cpu=cpu, init_kwargs=kwargs
+    )
+    if ctx.num_processes == 1:
+        return ctx
+    if dist.is_initialized():
+        require_process_group(ctx, "build_context")
+        return ctx
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    backend = ctx.backend or effective_backend(kwargs, ctx.device)
+    init_method = rendezvous_init_method(kwargs, env)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        timeout=effective_timeout(kwargs, backend),
+        world_size=ctx.num_processes,
+        rank=ctx.process_index,
+    )
+    return ctx
+
+
+def close_context(ctx: DistributedContext) -> None:
+    """End the default process group ``ctx`` runs in (a no-op with one process).
+
+    Safe to call twice; call it at the end of a script started by torchrun, after
+    the training function that held the models has returned. Unreachable objects
+    are collected first: a DDP module sits in a reference cycle, and with torch 2.13
+    on gloo, freeing it after its group is gone can hang (its destructor waits for
+    gloo's threads while holding the GIL they need).
+    """
+    if ctx.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def check_context(ctx: object, caller: str) -> None:
+    """Raise ``TypeError`` naming ``caller`` unless ``ctx`` is a ``DistributedContext``."""
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}. "
+            "Build one with build_context()."
+        )
+        raise TypeError(msg)

@@ -1,0 +1,321 @@
+"""Sharded data loading: ``shard_loader``, ``iter_batches``, ``LoaderState`` (SPEC §4, §5).
+
+``shard_loader(ctx, dataloader)`` returns a ``ShardedLoader``: a drop-in for the
+``DataLoader`` that yields this rank's batches, on ``ctx.device``. The caller's
+``DataLoader``, sampler and lists are never modified; the loader builds its own inner
+``DataLoader`` with the same worker and collation settings.
+
+``iter_batches(loader, state)`` yields ``Batch`` records (``data``, ``index``,
+``is_last``, ``remainder``, ``state``); ``state`` is the ``LoaderState`` to resume
+from, counted in global batches so that it carries across world sizes.
+
+With 2 ranks, 10 samples and ``batch_size=3`` (map-style, not shuffled), rank 0
+yields [0,1,2] [6,7,8] and rank 1 yields [3,4,5] [9,0,1], ``is_last`` F,T on both,
+``total_batch_size`` 6 and ``remainder`` 4 (the last global batch holds 4 real
+samples; [0,1] are looped back). Resuming rank 1 from ``LoaderState(epoch=0,
+global_batches=1, global_batch_size=6)`` yields only [9,0,1], without reading
+samples 3, 4 and 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from funcaccel._typing import RngType
+from funcaccel.context import DistributedContext
+from funcaccel.loader._placement import send_to_device
+from funcaccel.loader._setup import Setup
+from funcaccel.loader._setup import build_setup
+from funcaccel.loader._state import START
+from funcaccel.loader._state import Batch
+from funcaccel.loader._state import LoaderState
+from funcaccel.loader._state import check_count
+from funcaccel.loader._stream import length
+from funcaccel.loader._stream import local_batches
+from funcaccel.loader._stream import records
+
+__all__ = [
+    "Batch",
+    "LoaderState",
+    "RngType",
+    "ShardedLoader",
+    "iter_batches",
+    "send_to_device",
+    "shard_loader",
+]
+
+
+class ShardedLoader:
+    """This rank's share of a ``DataLoader``; build it with ``shard_loader``.
+
+    Iterating it (``for x in loader``) yields the batch data of epoch
+    ``loader.epoch``, like a ``DataLoader``; ``iter_batches`` yields records with
+    the position in the epoch and can resume. ``set_epoch`` is the one method that
+    changes the loader, as with torch's ``DistributedSampler``.
+    """
+
+    __slots__ = ("_epoch", "_setup")
+
+    def __init__(self, setup: Setup) -> None:
+        self._setup = setup
+        self._epoch = 0
+
+    @property
+    def ctx(self) -> DistributedContext:
+        """The context this loader shards for."""
+        return self._setup.ctx
+
+    @property
+    def dataloader(self) -> DataLoader[Any]:
+        """The caller's original ``DataLoader`` (never modified)."""
+        return self._setup.dataloader
+
+    @property
+    def dataset(self) -> Any:
+        """The original loader's dataset."""
+        return self._setup.dataloader.dataset
+
+    @property
+    def split_batches(self) -> bool:
+        """Whether each original batch is split across ranks."""
+        return self._setup.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        """Whether the last round loops back so every rank gets a full batch."""
+        return self._setup.even_batches
+
+    @property
+    def put_on_device(self) -> bool:
+        """Whether batches are moved to ``ctx.device``."""
+        return self._setup.put_on_device
+
+    @property
+    def dispatch_batches(self) -> bool:
+        """Whether rank 0 reads and sends every rank its rows (False with one process)."""
+        return self._setup.dispatch
+
+    @property
+    def rng_types(self) -> tuple[RngType, ...]:
+        """The generators synchronised from rank 0 at each epoch start."""
+        return self._setup.rng_types
+
+    @property
+    def seed(self) -> int:
+        """The base seed; epoch ``e`` is shuffled with ``seed + e``."""
+        return self._setup.seed
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """The global batch size ``G`` (``bs`` if split, else ``bs * p``; ``None`` if dynamic)."""
+        return self._setup.total_batch_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch ``iter(loader)`` iterates (0 until ``set_epoch``)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``iter(loader)`` iterate ``epoch``; changes this loader in place.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+            ValueError: ``epoch`` is negative.
+        """
+        check_count("ShardedLoader.set_epoch", "epoch", epoch)
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        """Return the number of batches this rank yields per epoch (SPEC §4, §5).
+
+        Raises:
+            TypeError: The dataset (iterable) or the batch sampler has no ``len()``.
+        """
+        return length(self._setup)
+
+    def __iter__(self) -> Iterator[Any]:
+        setup = self._setup
+        if setup.dispatch:
+            return (batch.data for batch in records(setup, self._epoch, 0))
+        return local_batches(setup, self._epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedLoader(rank={self.ctx.process_index}/{self.ctx.num_processes}, "
+            f"total_batch_size={self.total_batch_size}, epoch={self._epoch}, "
+            f"dispatch_batches={self.dispatch_batches})"
+        )
+
+
+def shard_loader(
+    ctx: DistributedContext,
+    dataloader: DataLoader[Any],
+    *,
+    split_batches: bool = False,
+    put_on_device: bool = True,
+    rng_types: Sequence[RngType] | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    seed: int = 0,
+    non_blocking: bool = False,
+    slice_fn: Callable[[Any, slice], Any] | None = None,
+) -> ShardedLoader:
+    """Return this rank's share of ``dataloader`` (SPEC §4, §5).
+
+    ``dataloader``, its sampler and ``rng_types`` are left unchanged. A shuffling
+    ``RandomSampler`` (in torch's ``BatchSampler``) is replaced by one that draws
+    epoch ``e``'s order from ``seed + e``, the same on every rank and world size.
+    With one process the original batches are yielded as they are. Otherwise
+    map-style data is sharded by batches (``shard_batch_sampler``), iterable data
+    by samples (``shard_iterable_dataset``), or, when dispatching, rank 0 reads
+    every global batch and sends each rank its rows.
+
+    With 2 ranks, 10 samples and ``batch_size=3``: rank 0 yields [0,1,2] [6,7,8],
+    rank 1 yields [3,4,5] [9,0,1]; with ``dispatch_batches=True``: rank 0 yields
+    [0,1,2] [6,7] and rank 1 [3,4,5] [8,9]. Sharding needs no process group, so a
+    hand-built context shows any rank's share:
+
+    >>> import torch
+    >>> from funcaccel.context import DistributedType
+    >>> def rank(i):
+    ...     kind = DistributedType.MULTI_CPU
+    ...     return DistributedContext(num_processes=2, process_index=i, distributed_type=kind)
+    >>> data = DataLoader(torch.arange(10), batch_size=3)
+    >>> [[batch.tolist() for batch in shard_loader(rank(i), data)] for i in (0, 1)]
+    [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]
+    >>> loader = shard_loader(rank(0), data)
+    >>> len(loader), loader.total_batch_size
+    (2, 6)
+
+    Args:
+        ctx: This process's context.
+        dataloader: The loader to shard; ``num_workers``, ``collate_fn``,
+            ``pin_memory``, ``timeout``, ``worker_init_fn``,
+            ``multiprocessing_context``, ``prefetch_factor``,
+            ``persistent_workers``, ``pin_memory_device`` and ``in_order`` are kept.
+        split_batches: Split each original batch across ranks (``G = bs``) instead
+            of giving each rank whole batches (``G = bs * p``).
+        put_on_device: Move each batch to ``ctx.device``.
+        rng_types: Generators to synchronise from rank 0 at every epoch start:
+            ``"torch"``, ``"cuda"``, ``"generator"`` (the loader's, if any).
+        dispatch_batches: Rank 0 reads and sends; ``None`` means: for iterable
+            datasets when ``put_on_device``.
+        even_batches: Loop back to the epoch's start so every rank gets the same
+            number of full batches.
+        seed: Base seed of the shuffled order (0 <= seed < 2**63).
+        non_blocking: Passed to ``Tensor.to`` when moving batches.
+        slice_fn: ``slice_fn(global_batch, rows)`` cuts a rank's part when
+            dispatching (default: those rows of every tensor).
+
+    Returns:
+        A ``ShardedLoader``: iterable, with ``len()``, ``total_batch_size``,
+        ``epoch`` and ``set_epoch``.
+
+    Raises:
+        TypeError: An argument of the wrong type.
+        ValueError: ``split_batches`` with an unknown batch size or one that is not
+            a multiple of ``ctx.num_processes``; ``dispatch_batches=True`` with
+            ``put_on_device=False``; an unknown name in ``rng_types`` (or
+            ``"cuda"`` on a CPU context); a loader that does not batch
+            (``batch_size=None``) with several processes and no dispatch.
+    """
+    setup = build_setup(
+        ctx,
+        dataloader,
+        split_batches=split_batches,
+        put_on_device=put_on_device,
+        rng_types=rng_types,
+        dispatch_batches=dispatch_batches,
+        even_batches=even_batches,
+        seed=seed,
+        non_blocking=non_blocking,
+        slice_fn=slice_fn,
+    )
+    return ShardedLoader(setup)
+
+
+def _skip(loader: ShardedLoader, state: LoaderState) -> int:
+    """Return how many of this rank's batches ``state`` has consumed (SPEC §4.1)."""
+    if state.global_batches == 0:
+        return 0
+    total = loader.total_batch_size
+    if total is None:
+        if state.global_batch_size:
+            msg = (
+                f"iter_batches: the loader has no fixed total_batch_size (its batch "
+                f"sampler is dynamic), so a state counted in global batches of "
+                f"{state.global_batch_size} samples cannot be converted; resume with a "
+                "state from this loader (global_batch_size=0) or at an epoch start"
+            )
+            raise ValueError(msg)
+        return state.global_batches
+    samples = state.global_batches * (state.global_batch_size or total)
+    if samples % total:
+        msg = (
+            f"iter_batches: cannot resume {samples} samples into the epoch with "
+            f"total_batch_size {total}; use a world size and batch size whose global "
+            f"batch divides {samples}, or resume at an epoch start"
+        )
+        raise ValueError(msg)
+    return samples // total
+
+
+def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[Batch]:
+    """Yield the batches of epoch ``state.epoch`` as records, resuming after ``state``.
+
+    Skips the ``state.global_batches * state.global_batch_size / G`` batches this
+    rank had consumed, with the epoch sharded from its start on the current world,
+    so a state saved on another world size continues the same global order. For
+    map-style data skipped batches are indices only: nothing is read. The loader
+    reads one batch ahead, so ``is_last`` is already true on the last batch. The
+    skip applies to this call only. ``loader`` is left unchanged.
+
+    With 2 ranks, 10 samples and ``batch_size=2`` (``G = 4``), rank 0 yields
+    [0,1] [4,5] [8,9] and rank 1 [2,3] [6,7] [0,1]; the first records' ``state``
+    is ``LoaderState(epoch=0, global_batches=1, global_batch_size=4)``. Resuming
+    from it on 2 ranks gives [4,5] [8,9] / [6,7] [0,1]; on one process with
+    ``batch_size=2`` it gives [4,5] [6,7] [8,9]:
+
+    >>> import torch
+    >>> from funcaccel.context import DistributedType
+    >>> two = DistributedContext(num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU)
+    >>> records = list(iter_batches(shard_loader(two, DataLoader(torch.arange(10), batch_size=2))))
+    >>> [(b.data.tolist(), b.is_last, b.remainder) for b in records]
+    [([0, 1], False, 2), ([4, 5], False, 2), ([8, 9], True, 2)]
+    >>> records[0].state
+    LoaderState(epoch=0, global_batches=1, global_batch_size=4)
+    >>> one = shard_loader(DistributedContext(), DataLoader(torch.arange(10), batch_size=2))
+    >>> [b.data.tolist() for b in iter_batches(one, records[0].state)]
+    [[4, 5], [6, 7], [8, 9]]
+
+    Args:
+        loader: From ``shard_loader``.
+        state: Where to start; the default is the start of epoch 0.
+
+    Yields:
+        ``Batch`` records: ``data``, ``index``, ``is_last``, ``remainder``,
+        ``state``.
+
+    Raises:
+        TypeError: ``loader`` or ``state`` of the wrong type.
+        ValueError: The consumed samples are not a whole number of this loader's
+            global batches.
+    """
+    if not isinstance(loader, ShardedLoader):
+        msg = (
+            f"iter_batches: loader must be a ShardedLoader from shard_loader(ctx, "
+            f"dataloader); got {type(loader).__name__}."
+        )
+        raise TypeError(msg)
+    if not isinstance(state, LoaderState):
+        msg = (
+            f"iter_batches: state must be a LoaderState; got {state!r} "
+            f"({type(state).__name__}). Use LoaderState.from_dict for a saved dict."
+        )
+        raise TypeError(msg)
+    return records(loader._setup, state.epoch, _skip(loader, state))

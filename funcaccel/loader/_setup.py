@@ -1,0 +1,349 @@
+"""``shard_loader``'s decision procedure (SPEC §4 steps 1–7), as one frozen value.
+
+``build_setup`` checks the arguments, reads what it needs from the caller's
+``DataLoader`` (never changing it) and builds the inner ``DataLoader`` this rank
+iterates: the original's dataset and worker/collation settings (step 6) around an
+``IndexSlot`` (map-style data) or a sharded stream (iterable data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from collections.abc import Sized
+from dataclasses import dataclass
+from typing import Any
+from typing import Final
+
+import torch
+from torch.utils.data import BatchSampler
+from torch.utils.data import DataLoader
+from torch.utils.data import IterableDataset
+from torch.utils.data import RandomSampler
+from torch.utils.data import SequentialSampler
+
+from funcaccel._typing import RNG_TYPES
+from funcaccel._typing import RngType
+from funcaccel.context import DistributedContext
+from funcaccel.loader._indices import BaseIndices
+from funcaccel.loader._reading import CountedStream
+from funcaccel.loader._reading import IndexSlot
+from funcaccel.loader._reading import TaggedCollate
+from funcaccel.sharding import shard_batch_sampler
+from funcaccel.sharding import shard_iterable_dataset
+
+__all__ = ["Setup", "build_setup", "kept_settings"]
+
+SliceFn = Callable[[Any, slice], Any]
+_WHERE: Final = "shard_loader"
+
+
+def kept_settings(dataloader: DataLoader[Any]) -> dict[str, Any]:
+    """Return the ``DataLoader`` arguments the inner loader keeps (SPEC §4 step 6)."""
+    return {
+        "num_workers": dataloader.num_workers,
+        "collate_fn": dataloader.collate_fn,
+        "pin_memory": dataloader.pin_memory,
+        "timeout": dataloader.timeout,
+        "worker_init_fn": dataloader.worker_init_fn,
+        "multiprocessing_context": dataloader.multiprocessing_context,
+        "prefetch_factor": dataloader.prefetch_factor,
+        "persistent_workers": dataloader.persistent_workers,
+        "pin_memory_device": dataloader.pin_memory_device,
+        "in_order": dataloader.in_order,
+    }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Setup:
+    """Everything a ``ShardedLoader`` decided at construction."""
+
+    ctx: DistributedContext
+    dataloader: DataLoader[Any]
+    split_batches: bool
+    put_on_device: bool
+    rng_types: tuple[RngType, ...]
+    dispatch: bool
+    even_batches: bool
+    seed: int
+    non_blocking: bool
+    slice_fn: SliceFn | None
+    iterable: bool
+    batch_size: int | None  # bs of the original loader
+    drop_last: bool
+    total_batch_size: int | None  # G
+    base: BaseIndices | None  # map-style data only
+    # None on ranks > 0 when dispatching; for map-style data its (batch) sampler is
+    # an IndexSlot, loaded with each epoch's indices (read_batches)
+    inner: DataLoader[Any] | None
+    counted: bool  # the inner loader yields (batch, samples read) pairs
+    sync_generator: torch.Generator | None
+    reseed_generator: torch.Generator | None
+    worker_generator: torch.Generator  # the inner loader's; seeded seed + epoch
+    epoch_targets: tuple[Any, ...]  # objects whose set_epoch is called
+
+
+def _type_error(name: str, expected: str, value: object) -> TypeError:
+    return TypeError(
+        f"{_WHERE}: {name} must be {expected}; got {value!r} ({type(value).__name__})."
+    )
+
+
+def _check_types(
+    ctx: object,
+    dataloader: object,
+    flags: Mapping[str, object],
+    dispatch_batches: object,
+    seed: object,
+    slice_fn: object,
+) -> None:
+    if not isinstance(ctx, DistributedContext):
+        raise _type_error("ctx", "a DistributedContext (from build_context)", ctx)
+    if not isinstance(dataloader, DataLoader):
+        raise _type_error("dataloader", "a torch.utils.data.DataLoader", dataloader)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise _type_error(name, "True or False", value)
+    if dispatch_batches is not None and not isinstance(dispatch_batches, bool):
+        raise _type_error("dispatch_batches", "None, True or False", dispatch_batches)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise _type_error("seed", "an int", seed)
+    if seed < 0:
+        msg = f"{_WHERE}: seed must be >= 0; got {seed}. Pass a non-negative int."
+        raise ValueError(msg)
+    if seed >= 2**63:
+        # Epoch e seeds torch generators with seed + e, which must stay below 2**64.
+        msg = f"{_WHERE}: seed must be < 2**63; got {seed}. Pass a smaller int."
+        raise ValueError(msg)
+    if slice_fn is not None and not callable(slice_fn):
+        raise _type_error("slice_fn", "None or a callable (data, slice)", slice_fn)
+
+
+def _check_rng_types(rng_types: object, ctx: DistributedContext) -> tuple[RngType, ...]:
+    if rng_types is None:
+        return ()
+    if isinstance(rng_types, str) or not isinstance(rng_types, Sequence):
+        raise _type_error(
+            "rng_types", "None or a list of names such as ['torch']", rng_types
+        )
+    names: list[RngType] = []
+    for name in rng_types:
+        if name not in RNG_TYPES:
+            msg = (
+                f"{_WHERE}: rng_types may hold only 'torch', 'cuda' and 'generator'; "
+                f"got {name!r} in {list(rng_types)!r}. Remove it."
+            )
+            raise ValueError(msg)
+        if name == "cuda" and ctx.device.type != "cuda":
+            msg = (
+                f"{_WHERE}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
+                "remove 'cuda' on a CPU run."
+            )
+            raise ValueError(msg)
+        names.append(name)
+    return tuple(names)
+
+
+def _original_batch_size(dataloader: DataLoader[Any]) -> int | None:
+    if dataloader.batch_size is not None:
+        return dataloader.batch_size
+    size: Any = getattr(dataloader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _base_indices(dataloader: DataLoader[Any], seed: int) -> BaseIndices:
+    batch_sampler: Any = dataloader.batch_sampler
+    if batch_sampler is None:  # no automatic batching: items are single indices
+        sampler: Any = dataloader.sampler
+        source, batch_size, drop_last = sampler, None, False
+    else:
+        sampler = getattr(batch_sampler, "sampler", None)
+        source, batch_size = batch_sampler, _original_batch_size(dataloader)
+        drop_last = getattr(batch_sampler, "drop_last", False)
+        if not isinstance(drop_last, bool):
+            raise _type_error(
+                "the batch sampler's drop_last", "True or False", drop_last
+            )
+    # Exact types: a subclass may order indices its own way, so it is used as is.
+    is_torch_batching = batch_sampler is None or type(batch_sampler) is BatchSampler
+    kind: Any = "given"
+    if is_torch_batching and type(sampler) is RandomSampler:
+        source, kind = sampler, "random"
+    elif is_torch_batching and type(sampler) is SequentialSampler:
+        source, kind = sampler, "sequential"
+    return BaseIndices(
+        kind=kind,
+        source=source,
+        batched=batch_sampler is not None,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        seed=seed,
+    )
+
+
+def _check_batching(
+    ctx: DistributedContext,
+    *,
+    batch_size: int | None,
+    split_batches: bool,
+    dispatch: bool,
+    batched: bool,
+) -> None:
+    p = ctx.num_processes
+    if split_batches and (batch_size is None or batch_size % p != 0):
+        msg = (
+            f"{_WHERE}: batch_size ({batch_size}) must be a multiple of num_processes "
+            f"({p}) when split_batches=True; use a batch size divisible by {p} or "
+            "split_batches=False."
+        )
+        raise ValueError(msg)
+    if p > 1 and not dispatch and not batched:
+        msg = (
+            f"{_WHERE}: the DataLoader does not batch (batch_size=None), so there are "
+            f"no batches to shard across {p} processes; pass a batch_size to the "
+            "DataLoader, or dispatch_batches=True."
+        )
+        raise ValueError(msg)
+
+
+def build_setup(
+    ctx: DistributedContext,
+    dataloader: DataLoader[Any],
+    *,
+    split_batches: bool,
+    put_on_device: bool,
+    rng_types: Sequence[RngType] | None,
+    dispatch_batches: bool | None,
+    even_batches: bool,
+    seed: int,
+    non_blocking: bool,
+    slice_fn: SliceFn | None,
+) -> Setup:
+    """Check ``shard_loader``'s arguments and decide how this rank loads (SPEC §4)."""
+    flags = {
+        "split_batches": split_batches,
+        "put_on_device": put_on_device,
+        "even_batches": even_batches,
+        "non_blocking": non_blocking,
+    }
+    _check_types(ctx, dataloader, flags, dispatch_batches, seed, slice_fn)
+    rngs = _check_rng_types(rng_types, ctx)
+    dataset: Any = dataloader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    if dispatch_batches and not put_on_device:
+        msg = (
+            f"{_WHERE}: dispatch_batches=True needs put_on_device=True (got False): "
+            "rank 0 sends each rank its rows; pass put_on_device=True or "
+            "dispatch_batches=False."
+        )
+        raise ValueError(msg)
+    wanted = (
+        put_on_device and iterable if dispatch_batches is None else dispatch_batches
+    )
+    p, rank = ctx.num_processes, ctx.process_index
+    dispatch = wanted and p > 1
+    bs = _original_batch_size(dataloader)
+    batched = dataloader.batch_sampler is not None
+    _check_batching(
+        ctx,
+        batch_size=bs,
+        split_batches=split_batches,
+        dispatch=dispatch,
+        batched=batched,
+    )
+    total = None if bs is None else bs if split_batches else bs * p
+    kept = kept_settings(dataloader)
+    # The inner loader draws its worker base seed from a generator of its own, not
+    # from the global RNG (nor from the caller's generator, which stays unconsumed):
+    # so ranks that synchronised "torch" stay in step even when only rank 0 reads.
+    kept["generator"] = worker_generator = torch.Generator()
+    base: BaseIndices | None = None
+    inner: DataLoader[Any] | None = None
+    counted = False
+    if iterable:
+        drop_last = dataloader.drop_last
+        counted = not (
+            dispatch or drop_last or total is None or isinstance(dataset, Sized)
+        )
+        if not dispatch or rank == 0:
+            stream: Any = dataset
+            size = bs
+            shard: dict[str, Any] | None = None
+            if not dispatch and p > 1:
+                assert bs is not None and total is not None  # _check_batching
+                size = total // p if split_batches else bs
+                shard = {
+                    "batch_size": bs,
+                    "drop_last": drop_last,
+                    "num_processes": p,
+                    "process_index": rank,
+                    "split_batches": split_batches,
+                }
+                stream = shard_iterable_dataset(dataset, **shard)
+            if counted:
+                stream = CountedStream(dataset, shard)
+                kept["collate_fn"] = TaggedCollate(kept["collate_fn"])
+            inner = DataLoader(stream, batch_size=size, drop_last=drop_last, **kept)
+    else:
+        base = _base_indices(dataloader, seed)
+        drop_last = base.drop_last
+        if not dispatch and p > 1:
+            # Fail now, not at the first epoch, on a sampler sharding rejects.
+            shard_batch_sampler(
+                base.for_length(),
+                num_processes=p,
+                process_index=rank,
+                split_batches=split_batches,
+                even_batches=even_batches,
+            )
+        if not dispatch or rank == 0:
+            slot = IndexSlot()
+            if batched:
+                inner = DataLoader(dataset, batch_sampler=slot, **kept)
+            else:
+                inner = DataLoader(dataset, batch_size=None, sampler=slot, **kept)
+    return Setup(
+        ctx=ctx,
+        dataloader=dataloader,
+        split_batches=split_batches,
+        put_on_device=put_on_device,
+        rng_types=rngs,
+        dispatch=dispatch,
+        even_batches=even_batches,
+        seed=seed,
+        non_blocking=non_blocking,
+        slice_fn=slice_fn,
+        iterable=iterable,
+        batch_size=bs,
+        drop_last=drop_last,
+        total_batch_size=total,
+        base=base,
+        inner=inner,
+        counted=counted,
+        sync_generator=None if base is None else base.generator,
+        reseed_generator=_reseeded_generator(dataset) if iterable else None,
+        worker_generator=worker_generator,
+        epoch_targets=_epoch_targets(dataloader, base),
+    )
+
+
+def _reseeded_generator(dataset: object) -> torch.Generator | None:
+    if callable(getattr(dataset, "set_epoch", None)):
+        return None
+    found = getattr(dataset, "generator", None)
+    return found if isinstance(found, torch.Generator) else None
+
+
+def _epoch_targets(
+    dataloader: DataLoader[Any], base: BaseIndices | None
+) -> tuple[Any, ...]:
+    candidates: list[Any] = [dataloader.dataset]
+    if base is not None and base.kind == "given":
+        candidates += [base.source, getattr(base.source, "sampler", None)]
+    targets: list[Any] = []
+    for obj in candidates:
+        has_set_epoch = callable(getattr(obj, "set_epoch", None))
+        if has_set_epoch and all(obj is not seen for seen in targets):
+            targets.append(obj)
+    return tuple(targets)

@@ -1,0 +1,277 @@
+"""One epoch of a ``ShardedLoader``, as a stream of batches (SPEC §4, §4.2, §5).
+
+Each function takes the loader's ``Setup`` and the epoch; the epoch-start work of
+SPEC §4.2 (synchronise, seed, ``set_epoch``) runs when the stream is first advanced.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sized
+from typing import Any
+from typing import Final
+
+from funcaccel.loader._dispatch import dispatch_epoch
+from funcaccel.loader._indices import IndexedBatches
+from funcaccel.loader._indices import skip_items
+from funcaccel.loader._placement import send_tree
+from funcaccel.loader._reading import fetch_batch
+from funcaccel.loader._reading import read_batches
+from funcaccel.loader._setup import Setup
+from funcaccel.loader._state import Batch
+from funcaccel.loader._state import make_batch
+from funcaccel.rng import sync_rng_states
+from funcaccel.sharding import shard_batch_sampler
+
+__all__ = ["length", "local_batches", "open_epoch", "records"]
+
+_END: Final = object()
+
+
+def _unsized(what: object) -> TypeError:
+    return TypeError(
+        f"ShardedLoader.__len__: the {type(what).__name__} has no len(), so the "
+        "number of batches is unknown; give it a __len__ or do not call len()."
+    )
+
+
+def length(setup: Setup) -> int:
+    """Return ``len(loader)``: batches this rank yields per epoch (SPEC §4, §5)."""
+    ctx, bs, drop_last = setup.ctx, setup.batch_size, setup.drop_last
+    p = ctx.num_processes
+    if setup.base is not None:
+        stream = setup.base.for_length()
+        if not isinstance(stream, Sized):
+            raise _unsized(stream)
+        if p > 1 and not setup.dispatch:
+            shard = shard_batch_sampler(
+                stream,
+                num_processes=p,
+                process_index=ctx.process_index,
+                split_batches=setup.split_batches,
+                even_batches=setup.even_batches,
+            )
+            return len(shard)
+        k = len(stream)
+    else:
+        dataset = setup.dataloader.dataset
+        if not isinstance(dataset, Sized):
+            raise _unsized(dataset)
+        n = len(dataset)
+        k = n if bs is None else n // bs if drop_last else -(-n // bs)
+    # Iterable shards and dispatch both group k base batches by p (SPEC §4, §5).
+    if p == 1 or setup.split_batches:
+        return k
+    return k // p if drop_last else -(-k // p)
+
+
+def _epoch_samples(setup: Setup) -> int | None:
+    """Return ``n`` for the remainder: ``len(sampler)``, or ``len(dataset)``."""
+    if setup.base is not None:
+        stream = setup.base.for_length()
+        if isinstance(stream, IndexedBatches):
+            return len(stream.sampler)
+        sampler = stream if not setup.base.batched else getattr(stream, "sampler", None)
+        if isinstance(sampler, Sized):
+            return len(sampler)
+    dataset = setup.dataloader.dataset
+    return len(dataset) if isinstance(dataset, Sized) else None
+
+
+def _start_epoch(setup: Setup, epoch: int) -> None:
+    """SPEC §4.2, on every rank: synchronise, seed, then ``set_epoch``."""
+    sync_rng_states(
+        setup.ctx, setup.rng_types, setup.sync_generator, caller="iter_batches"
+    )
+    if setup.reseed_generator is not None:
+        setup.reseed_generator.manual_seed(setup.seed + epoch)
+    setup.worker_generator.manual_seed(setup.seed + epoch)
+    for target in setup.epoch_targets:
+        target.set_epoch(epoch)
+
+
+def _consume(iterator: Iterator[Any], count: int) -> None:
+    next(itertools.islice(iterator, count, count), None)
+
+
+def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
+    """Start ``epoch`` (SPEC §4.2) and return this rank's batch iterator.
+
+    The iterator is the inner ``DataLoader``'s own, positioned after this rank's
+    first ``skip`` batches: for map-style data only indices were skipped; for
+    iterable data the skipped batches were read and dropped.
+    """
+    _start_epoch(setup, epoch)
+    assert setup.inner is not None  # only dispatch ranks > 0 have none
+    if setup.base is None:
+        batches = iter(setup.inner)
+        _consume(batches, skip)
+        return batches
+    ctx, stream = setup.ctx, setup.base.for_epoch(epoch)
+    indices: Iterator[Any]
+    if ctx.num_processes == 1:
+        indices = skip_items(stream, skip)
+    else:
+        shard = shard_batch_sampler(
+            stream,
+            num_processes=ctx.num_processes,
+            process_index=ctx.process_index,
+            split_batches=setup.split_batches,
+            even_batches=setup.even_batches,
+        )
+        indices = shard.iter_from(skip)
+    return read_batches(setup.inner, indices, batched=setup.base.batched)
+
+
+def local_batches(setup: Setup, epoch: int) -> Iterator[Any]:
+    """Yield this rank's batches of ``epoch``: the data only, on the device if asked.
+
+    The epoch starts when the first batch is asked for.
+    """
+    batches = open_epoch(setup, epoch, 0)
+    device = setup.ctx.device if setup.put_on_device else None
+    non_blocking = setup.non_blocking
+    if setup.counted:
+        batches = (data for data, _ in batches)
+    if device is None:
+        yield from batches
+        return
+    for batch in batches:
+        yield send_tree(batch, device, non_blocking)
+
+
+def _dispatch_base(
+    setup: Setup, epoch: int, skip: int, head: list[Any]
+) -> Iterator[Any]:
+    """Rank 0: yield the original batches after the first ``skip``.
+
+    When ``skip > 0`` the epoch's first ``len(head)`` items (index lists, or
+    batches of iterable data) are skipped, so they are stored in ``head`` first:
+    the last global batch may need padding from them.
+    """
+    assert setup.inner is not None
+    head_count = len(head)
+    if setup.base is None:
+        batches = iter(setup.inner)
+        if skip:
+            head[:] = itertools.islice(batches, head_count)
+            _consume(batches, skip - len(head))
+        yield from batches
+        return
+    stream = setup.base.for_epoch(epoch)
+    indices: Iterator[Any]
+    if skip and isinstance(stream, (IndexedBatches, list, range)):
+        # A fixed order: take the head from its start, then jump to the rest.
+        head[:] = itertools.islice(iter(stream), head_count)
+        indices = skip_items(stream, skip)
+    else:
+        indices = iter(stream)  # the user's own: one pass, head first
+        if skip:
+            head[:] = itertools.islice(indices, head_count)
+            _consume(indices, skip - len(head))
+    yield from read_batches(setup.inner, indices, batched=setup.base.batched)
+
+
+def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    """Yield the ``Batch`` records of ``epoch`` after this rank's first ``skip``."""
+    if setup.dispatch:
+        yield from _dispatched_records(setup, epoch, skip)
+        return
+    if setup.counted:
+        yield from _counted_records(setup, epoch, skip)
+        return
+    total, n = setup.total_batch_size, _epoch_samples(setup)
+    known = not (setup.drop_last or total is None or n is None)
+    remainder = n % total if known and n is not None and total else -1
+    device = setup.ctx.device if setup.put_on_device else None
+    non_blocking = setup.non_blocking
+    items = open_epoch(setup, epoch, skip)
+    # One batch ahead, so that the last one is known while it is processed. The
+    # loops are written out per case: this runs once per batch.
+    current = next(items, _END)
+    if current is _END:
+        return
+    index = skip
+    if device is None:
+        for following in items:
+            yield make_batch(current, index, False, remainder, epoch, total)
+            current, index = following, index + 1
+        yield make_batch(current, index, True, remainder, epoch, total)
+        return
+    for following in items:
+        data = send_tree(current, device, non_blocking)
+        yield make_batch(data, index, False, remainder, epoch, total)
+        current, index = following, index + 1
+    data = send_tree(current, device, non_blocking)
+    yield make_batch(data, index, True, remainder, epoch, total)
+
+
+def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    """``records`` for an unsized stream: the last batch carries the observed count."""
+    total = setup.total_batch_size
+    assert total is not None and not setup.drop_last  # see build_setup
+    device = setup.ctx.device if setup.put_on_device else None
+    items = open_epoch(setup, epoch, skip)
+    current: Any = next(items, _END)
+    if current is _END:
+        return
+    index = skip
+    for following in items:
+        data = (
+            current[0]
+            if device is None
+            else send_tree(current[0], device, setup.non_blocking)
+        )
+        yield make_batch(data, index, False, -1, epoch, total)
+        current, index = following, index + 1
+    data, seen = current
+    if device is not None:
+        data = send_tree(data, device, setup.non_blocking)
+    yield make_batch(data, index, True, seen % total, epoch, total)
+
+
+def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
+    ctx = setup.ctx
+    _start_epoch(setup, epoch)
+    group = 1 if setup.split_batches else ctx.num_processes
+    base: Iterator[Any] | None = None
+    pad_source: Callable[[], list[Any]] | None = None
+    if ctx.process_index == 0:
+        head: list[Any] = [None] * group  # filled by _dispatch_base when skipped
+        base = _dispatch_base(setup, epoch, skip * group, head)
+        if skip and setup.base is None:
+            pad_source = head.copy  # the skipped first batches themselves
+        elif skip:
+            pad_source = _refetch(setup, head)
+    for offset, (data, is_last, rows) in enumerate(
+        dispatch_epoch(
+            ctx,
+            base_batches=base,
+            pad_source=pad_source,
+            group=group,
+            drop_last=setup.drop_last,
+            first_index=skip,
+            slice_fn=setup.slice_fn,
+        )
+    ):
+        data = send_tree(data, ctx.device, setup.non_blocking)
+        remainder = rows if is_last else -1
+        total = setup.total_batch_size
+        yield make_batch(data, skip + offset, is_last, remainder, epoch, total)
+
+
+def _refetch(setup: Setup, head: list[Any]) -> Callable[[], list[Any]]:
+    inner = setup.inner
+    assert inner is not None
+    batched = setup.dataloader.batch_sampler is not None
+
+    def fetch() -> list[Any]:
+        # The head's index lists were skipped, not read: read them now.
+        return [
+            fetch_batch(inner.dataset, inner.collate_fn, item, batched=batched)
+            for item in head
+        ]
+
+    return fetch

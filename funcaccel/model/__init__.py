@@ -1,0 +1,21 @@
+"""Model wrapping: ``wrap_model`` (DDP, FSDP2) and ``unwrap_model``.
+
+``_wrap.py`` holds DDP wrapping and unwrapping; ``_fsdp.py`` the FSDP2 options and
+sharding.
+"""
+
+from __future__ import annotations
+
+from funcaccel.model._fsdp import FSDPOptions
+from funcaccel.model._wrap import inside_compile
+from funcaccel.model._wrap import move_optimizer_state_
+from funcaccel.model._wrap import unwrap_model
+from funcaccel.model._wrap import wrap_model
+
+__all__ = [
+    "FSDPOptions",
+    "inside_compile",
+    "move_optimizer_state_",
+    "unwrap_model",
+    "wrap_model",
+]

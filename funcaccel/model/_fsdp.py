@@ -1,0 +1,166 @@
+"""FSDP2 options and sharding for ``wrap_model`` (``torch.distributed.fsdp.fully_shard``).
+
+Kept apart from ``model.py`` so that the DDP and FSDP paths each read at once. The
+public names are re-exported by ``funcaccel.model``.
+
+>>> import torch
+>>> FSDPOptions(shard_modules=[torch.nn.Linear]).shard_modules
+(<class 'torch.nn.modules.linear.Linear'>,)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from funcaccel._dist_types import is_fsdp_module
+from funcaccel._dist_types import is_instance_if_loaded
+from funcaccel.context import DistributedContext
+
+if TYPE_CHECKING:
+    # Imported for real only when sharding: the package takes seconds to import.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["FSDPOptions", "check_fsdp_options", "shard_model"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPOptions:
+    """Options that make ``wrap_model`` shard a module with FSDP2 instead of DDP.
+
+    ``wrap_model`` applies ``fully_shard`` to every submodule that is an instance of
+    one of ``shard_modules`` (innermost first), then to the root module, all with
+    the same ``reshard_after_forward`` and ``mp_policy``.
+
+    Args:
+        shard_modules: submodule classes that become their own FSDP units (for
+            example a transformer block class); any sequence, stored as a tuple.
+            Empty: only the root is sharded.
+        reshard_after_forward: ``True`` frees the gathered parameters after forward
+            and gathers them again in backward; ``False`` keeps them; an int ``r``
+            (a divisor of the world size) reshards to groups of ``r`` ranks;
+            ``None`` is torch's rule (``False`` for the root, ``True`` otherwise).
+        mp_policy: torch's ``MixedPrecisionPolicy`` (``param_dtype``,
+            ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``); ``None``
+            computes and reduces in the parameters' dtype.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: an integer ``reshard_after_forward`` below 1.
+    """
+
+    shard_modules: Sequence[type[nn.Module]] = ()
+    reshard_after_forward: bool | int | None = True
+    mp_policy: MixedPrecisionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        owner = "FSDPOptions"
+        classes = self.shard_modules
+        if isinstance(classes, (str, bytes)) or not isinstance(classes, Sequence):
+            msg = (
+                f"{owner}: shard_modules must be a sequence of nn.Module classes; got "
+                f"{classes!r}. Use e.g. shard_modules=(TransformerBlock,)."
+            )
+            raise TypeError(msg)
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                msg = (
+                    f"{owner}: shard_modules must hold nn.Module subclasses; got "
+                    f"{cls!r}. Pass the class (e.g. nn.Linear), not an instance."
+                )
+                raise TypeError(msg)
+        object.__setattr__(self, "shard_modules", tuple(classes))
+        reshard = self.reshard_after_forward
+        if reshard is not None and not isinstance(reshard, (bool, int)):
+            msg = (
+                f"{owner}: reshard_after_forward must be a bool, an int or None; got "
+                f"{reshard!r} ({type(reshard).__name__})."
+            )
+            raise TypeError(msg)
+        if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
+            msg = (
+                f"{owner}: reshard_after_forward as an int is the number of ranks to "
+                f"reshard to and must be >= 1; got {reshard}."
+            )
+            raise ValueError(msg)
+        if self.mp_policy is not None and not is_instance_if_loaded(
+            self.mp_policy, "torch.distributed.fsdp", "MixedPrecisionPolicy"
+        ):
+            msg = (
+                f"{owner}: mp_policy must be a torch.distributed.fsdp."
+                f"MixedPrecisionPolicy or None; got {self.mp_policy!r}. Use e.g. "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+            )
+            raise TypeError(msg)
+
+
+def check_fsdp_options(
+    ctx: DistributedContext, options: FSDPOptions, caller: str
+) -> None:
+    """Check that ``options`` fit a world of ``ctx.num_processes`` ranks.
+
+    Raises:
+        ValueError: an integer ``reshard_after_forward`` that does not divide the
+            world size.
+
+    >>> from funcaccel.context import DistributedType
+    >>> ctx = DistributedContext(
+    ...     num_processes=4, distributed_type=DistributedType.MULTI_CPU
+    ... )
+    >>> check_fsdp_options(ctx, FSDPOptions(reshard_after_forward=2), "wrap_model")
+    >>> check_fsdp_options(ctx, FSDPOptions(reshard_after_forward=3), "wrap_model")
+    Traceback (most recent call last):
+    ...
+    ValueError: wrap_model: FSDPOptions.reshard_after_forward=3 must divide ...
+    """
+    reshard = options.reshard_after_forward
+    if isinstance(reshard, bool) or reshard is None:
+        return
+    world = ctx.num_processes
+    if reshard > world or world % reshard != 0:
+        msg = (
+            f"{caller}: FSDPOptions.reshard_after_forward={reshard} must divide "
+            f"the world size ({world}); use a divisor of {world}, or True/False."
+        )
+        raise ValueError(msg)
+
+
+def shard_model(
+    ctx: DistributedContext, model: nn.Module, options: FSDPOptions
+) -> nn.Module:
+    """Apply ``fully_shard`` in place to ``model``'s chosen submodules, then to it.
+
+    The mesh is one dimension over the default group, on ``ctx.device.type`` (not
+    torch's default, which would pick CUDA whenever it exists). Submodules are
+    visited in reverse pre-order, so a nested match is sharded before its parent.
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.num_processes,))
+    policy = MixedPrecisionPolicy() if options.mp_policy is None else options.mp_policy
+    classes = tuple(options.shard_modules)
+    if classes:
+        children = [m for m in model.modules() if m is not model]
+        for child in reversed(children):
+            if isinstance(child, classes) and not is_fsdp_module(child):
+                fully_shard(
+                    child,
+                    mesh=mesh,
+                    reshard_after_forward=options.reshard_after_forward,
+                    mp_policy=policy,
+                )
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=options.reshard_after_forward,
+        mp_policy=policy,
+    )
+    return model

@@ -1,0 +1,371 @@
+"""Model wrapping: DDP with its communication hook, or FSDP2; unwrapping; state placement.
+
+``wrap_model(ctx, model, ddp_kwargs, fsdp=...)`` moves a module to ``ctx.device`` and,
+with several processes, wraps it in ``DistributedDataParallel`` (every field of
+``DistributedDataParallelKwargs``, then the communication hook it names) or shards it
+with FSDP2 (``torch.distributed.fsdp.fully_shard``, options in ``FSDPOptions``).
+``unwrap_model`` walks back to the user's module through DDP, FSDP and
+``torch.compile``. ``move_optimizer_state_`` puts an optimizer's state on its
+parameters' device after they moved.
+
+With one process nothing is wrapped:
+
+>>> from funcaccel.context import DistributedContext
+>>> net = torch.nn.Linear(2, 1)
+>>> wrap_model(DistributedContext(), net) is net
+True
+>>> unwrap_model(net) is net
+True
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+from typing import Final
+from typing import TypeAlias
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+from funcaccel._dist_types import is_fsdp_module
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+from funcaccel.kwargs import DDPCommunicationHookType
+from funcaccel.kwargs import DistributedDataParallelKwargs
+from funcaccel.model._fsdp import FSDPOptions
+from funcaccel.model._fsdp import check_fsdp_options
+from funcaccel.model._fsdp import shard_model
+
+__all__ = [
+    "FSDPOptions",
+    "move_optimizer_state_",
+    "unwrap_model",
+    "wrap_model",
+]
+
+# (state, GradBucket) -> future of the reduced bucket; mypy cannot see
+# torch.distributed.GradBucket, so the bucket is typed Any.
+_CommHook: TypeAlias = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+
+_HOOKS: Final[Mapping[DDPCommunicationHookType, _CommHook]] = MappingProxyType(
+    {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+    }
+)
+_WRAPPERS: Final[
+    Mapping[DDPCommunicationHookType, Callable[[_CommHook], _CommHook]]
+] = MappingProxyType(
+    {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+    }
+)
+_POWER_SGD_HOOKS: Final = frozenset(
+    {DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD}
+)
+# Devices whose torch.distributed backends can all-reduce bfloat16 (NCCL, XCCL).
+_BF16_COMM_DEVICES: Final = frozenset({"cuda", "xpu"})
+
+
+def inside_compile(model: nn.Module) -> nn.Module:
+    """Return the module inside ``torch.compile``'s wrappers (``._orig_mod``), if any.
+
+    >>> net = nn.Linear(1, 1)
+    >>> inside_compile(net) is net
+    True
+    """
+    while isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+        model = inner
+    return model
+
+
+def wrap_model(
+    ctx: DistributedContext,
+    model: nn.Module,
+    ddp_kwargs: DistributedDataParallelKwargs | None = None,
+    *,
+    fsdp: FSDPOptions | None = None,
+) -> nn.Module:
+    """Move ``model`` to ``ctx.device`` in place (as ``.to`` does), then wrap it for ``ctx``.
+
+    With one process the module itself is returned (``ddp_kwargs`` and its hooks are
+    unused). With several processes a module with no parameter requiring grad is
+    returned unwrapped; otherwise, when ``fsdp`` is ``None``, it is wrapped in
+    ``DistributedDataParallel(model, **ddp_kwargs.to_kwargs())`` (plus
+    ``device_ids=[ctx.local_process_index]`` and ``output_device`` on CUDA) and the
+    communication hook of ``ddp_kwargs`` is registered: ``"fp16"`` / ``"bf16"``
+    compress hooks, ``"power_sgd"`` / ``"batched_power_sgd"`` with
+    ``PowerSGDState(process_group=None, **comm_state_option)``, optionally inside the
+    ``fp16`` / ``bf16`` compress wrapper. With ``fsdp`` the module is sharded in place
+    by FSDP2 (see ``FSDPOptions``) and returned: it is its own root. ``forward`` is
+    never replaced; autocast is applied by the training step. torch 2.13 deprecates
+    DDP's ``broadcast_buffers`` and ``check_reduction``: setting either away from
+    its default makes DDP emit its ``FutureWarning``, which is passed on as is.
+
+    With 2 processes, ``wrap_model(ctx, net, DistributedDataParallelKwargs(
+    comm_hook="fp16"))`` returns a ``DistributedDataParallel`` on both ranks; after
+    one backward pass rank 0 and rank 1 hold the same gradient, the mean of their
+    two local gradients all-reduced in float16. With ``fsdp=FSDPOptions()`` rank 0
+    keeps the first half of each parameter's rows and rank 1 the second half.
+
+    Args:
+        ctx: the distributed context.
+        model: the user's module; changed in place (moved, and sharded with FSDP).
+        ddp_kwargs: DDP options and communication hook; ``None`` for the defaults.
+        fsdp: FSDP2 options; ``None`` selects DDP.
+
+    Returns:
+        ``model``, or a ``DistributedDataParallel`` wrapping it.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``model`` is already wrapped; ``fsdp`` with non-default
+            ``ddp_kwargs``; a bfloat16 hook or wrapper on a device whose backend
+            cannot all-reduce bfloat16 (CPU/gloo); FSDP options that do not fit
+            ``ctx``.
+        RuntimeError: ``ctx.num_processes > 1`` without a matching default group.
+    """
+    _check_arguments(ctx, model, ddp_kwargs, fsdp)
+    kwargs = DistributedDataParallelKwargs() if ddp_kwargs is None else ddp_kwargs
+    if ctx.num_processes > 1:
+        if fsdp is None:
+            _check_hook_device(ctx, kwargs)
+        else:
+            check_fsdp_options(ctx, fsdp, "wrap_model")
+        require_process_group(ctx, "wrap_model")
+    model.to(ctx.device)
+    if ctx.num_processes == 1:
+        return model
+    if not any(param.requires_grad for param in model.parameters()):
+        return model
+    if fsdp is not None:
+        return shard_model(ctx, model, fsdp)
+    return _build_ddp(ctx, model, kwargs)
+
+
+def _check_arguments(
+    ctx: object, model: object, ddp_kwargs: object, fsdp: object
+) -> None:
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"wrap_model: ctx must be a DistributedContext; got {ctx!r} "
+            f"({type(ctx).__name__}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if not isinstance(model, nn.Module):
+        msg = (
+            f"wrap_model: model must be a torch.nn.Module; got {type(model).__name__}. "
+            "Pass the module itself, not its parameters or state_dict."
+        )
+        raise TypeError(msg)
+    if ddp_kwargs is not None and not isinstance(
+        ddp_kwargs, DistributedDataParallelKwargs
+    ):
+        msg = (
+            f"wrap_model: ddp_kwargs must be a DistributedDataParallelKwargs or None; "
+            f"got {ddp_kwargs!r} ({type(ddp_kwargs).__name__})."
+        )
+        raise TypeError(msg)
+    if fsdp is not None and not isinstance(fsdp, FSDPOptions):
+        msg = (
+            f"wrap_model: fsdp must be an FSDPOptions or None; got {fsdp!r} "
+            f"({type(fsdp).__name__}). Use fsdp=FSDPOptions() for the defaults."
+        )
+        raise TypeError(msg)
+    inner = inside_compile(model)
+    if isinstance(inner, (DistributedDataParallel, DataParallel)) or is_fsdp_module(
+        inner
+    ):
+        msg = (
+            f"wrap_model: model is already wrapped ({type(inner).__name__}); pass "
+            "unwrap_model(model), or use the wrapped model as it is."
+        )
+        raise ValueError(msg)
+    if (
+        fsdp is not None
+        and ddp_kwargs is not None
+        and ddp_kwargs != DistributedDataParallelKwargs()
+    ):
+        msg = (
+            f"wrap_model: ddp_kwargs only configure DDP, but fsdp was given; got "
+            f"{ddp_kwargs!r}. Pass ddp_kwargs=None with fsdp, or fsdp=None for DDP."
+        )
+        raise ValueError(msg)
+
+
+def _check_hook_device(
+    ctx: DistributedContext, kwargs: DistributedDataParallelKwargs
+) -> None:
+    # torch raises a TypeError about CUDA/NCCL versions only once the hook is
+    # registered; refuse earlier with a message that says what to use instead.
+    bf16 = DDPCommunicationHookType.BF16
+    for field, value in (
+        ("comm_hook", kwargs.comm_hook),
+        ("comm_wrapper", kwargs.comm_wrapper),
+    ):
+        if value == bf16 and ctx.device.type not in _BF16_COMM_DEVICES:
+            msg = (
+                f"wrap_model: {field}='bf16' needs a CUDA (NCCL) or XPU (XCCL) "
+                f"device, but ctx.device is {ctx.device} (backend "
+                f"{ctx.backend!r}), which cannot all-reduce bfloat16; use "
+                f"{field}='fp16' or 'no' on CPU."
+            )
+            raise ValueError(msg)
+
+
+def _build_ddp(
+    ctx: DistributedContext, model: nn.Module, kwargs: DistributedDataParallelKwargs
+) -> DistributedDataParallel:
+    device_kwargs: dict[str, Any] = {}
+    if ctx.device.type == "cuda":
+        device_kwargs = {
+            "device_ids": [ctx.local_process_index],
+            "output_device": ctx.local_process_index,
+        }
+    ddp = DistributedDataParallel(model, **kwargs.to_kwargs(), **device_kwargs)
+    _register_comm_hook(ddp, kwargs)
+    return ddp
+
+
+def _register_comm_hook(
+    ddp: DistributedDataParallel, kwargs: DistributedDataParallelKwargs
+) -> None:
+    # The kwargs record has already validated the hook/wrapper/state combination;
+    # converting again accepts plain strings as well as enum members.
+    hook_type = DDPCommunicationHookType(kwargs.comm_hook)
+    if hook_type is DDPCommunicationHookType.NO:
+        return
+    hook = _HOOKS[hook_type]
+    state: object = None
+    if hook_type in _POWER_SGD_HOOKS:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, **kwargs.comm_state_option
+        )
+    wrapper_type = DDPCommunicationHookType(kwargs.comm_wrapper)
+    if wrapper_type is not DDPCommunicationHookType.NO:
+        hook = _WRAPPERS[wrapper_type](hook)
+    ddp.register_comm_hook(state, hook)
+
+
+def _compiled_module_type() -> type[nn.Module] | None:
+    # An OptimizedModule can only exist once torch._dynamo is imported, and
+    # importing it takes seconds; look it up without importing it.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    found: object = getattr(eval_frame, "OptimizedModule", None)
+    if isinstance(found, type) and issubclass(found, nn.Module):
+        return found
+    return None
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the user's module inside ``model``; nothing is changed.
+
+    Walks through ``DistributedDataParallel`` / ``DataParallel`` (``.module``) and
+    ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), in any nesting. An
+    FSDP2 module (``fully_shard`` changes the module's class in place) is its own
+    root and is returned as is, as is an unwrapped module.
+
+    Args:
+        model: a module, possibly wrapped.
+
+    Returns:
+        The innermost module; ``model`` itself when it is not wrapped.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    >>> net = torch.nn.Linear(2, 1)
+    >>> unwrap_model(torch.nn.DataParallel(net)) is net
+    True
+    """
+    if not isinstance(model, nn.Module):
+        msg = (
+            f"unwrap_model: model must be a torch.nn.Module; got {model!r} "
+            f"({type(model).__name__})."
+        )
+        raise TypeError(msg)
+    compiled = _compiled_module_type()
+    while True:
+        if compiled is not None and isinstance(model, compiled):
+            inner = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            inner = model.module
+        else:
+            return model
+        assert isinstance(inner, nn.Module), type(inner)
+        model = inner
+
+
+def move_optimizer_state_(optimizer: torch.optim.Optimizer) -> int:
+    """Move ``optimizer``'s state tensors in place onto their parameters' device.
+
+    Use after the parameters moved (``wrap_model`` moves them in place, so an
+    optimizer built or loaded before it keeps state on the old device). The rule is
+    the one ``Optimizer.load_state_dict`` applies: floating-point state takes the
+    parameter's dtype and device, other tensors its device, and ``"step"`` is left
+    as is unless the group is ``capturable`` or ``fused`` (then float32 on the
+    parameter's device). Non-tensor state and the parameters are left unchanged.
+
+    Args:
+        optimizer: a torch optimizer; its ``state`` entries are replaced in place.
+
+    Returns:
+        The number of state tensors that were moved or cast.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+
+    >>> param = torch.nn.Parameter(torch.ones(2))
+    >>> opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    >>> param.grad = torch.ones(2)
+    >>> opt.step()
+    >>> param.data = param.data.double()
+    >>> move_optimizer_state_(opt), opt.state[param]["momentum_buffer"].dtype
+    (1, torch.float64)
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        msg = (
+            f"move_optimizer_state_: optimizer must be a torch.optim.Optimizer; got "
+            f"{optimizer!r} ({type(optimizer).__name__})."
+        )
+        raise TypeError(msg)
+    moved = 0
+    for group in optimizer.param_groups:
+        special_step = bool(group.get("capturable")) or bool(group.get("fused"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in list(state.items()):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                placed = _placed(
+                    value, param, is_step=key == "step", special=special_step
+                )
+                if placed is not value:
+                    state[key] = placed
+                    moved += 1
+    return moved
+
+
+def _placed(
+    value: torch.Tensor, param: torch.Tensor, *, is_step: bool, special: bool
+) -> torch.Tensor:
+    if is_step:
+        if special:
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point() and value.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)

@@ -1,0 +1,323 @@
+"""The built-in trackers that write plain files: JSON lines and CSV.
+
+Each satisfies ``funcaccel.tracking.Tracker`` and is called through ``log_metrics``,
+``store_config`` and ``finish_trackers``. None touches the disk (or imports an
+optional package) before its first call, so every rank may build the same list. A
+file tracker opens its file on first use, appends, flushes after every record so a
+crash loses nothing, and ``finish()`` closes it; ``finish()`` twice is harmless, a
+``log`` after ``finish()`` is a ``ValueError``. Values go through
+``normalize_metrics`` / ``normalize_config``: a one-element tensor is logged as its
+item, a larger tensor is a ``ValueError``, another type a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from collections.abc import Callable
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+from typing import Final
+
+from funcaccel._checks import check_bool
+from funcaccel.tracking._values import check_open
+from funcaccel.tracking._values import check_step
+from funcaccel.tracking._values import normalize_config
+from funcaccel.tracking._values import normalize_metrics
+
+__all__ = [
+    "CSVTracker",
+    "JSONLTracker",
+]
+
+Clock = Callable[[], float]
+_TIME_KEYS: Final = ("step", "time")
+
+
+def _check_path(owner: str, path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        msg = (
+            f"{owner}: path must be a str or os.PathLike; got {path!r} "
+            f"({type(path).__name__})."
+        )
+        raise TypeError(msg)
+    return Path(path)
+
+
+def _check_clock(owner: str, clock: object) -> Clock:
+    if not callable(clock):
+        msg = (
+            f"{owner}: clock must be a callable returning the wall time, such as "
+            f"time.time; got {clock!r} ({type(clock).__name__})."
+        )
+        raise TypeError(msg)
+    return clock
+
+
+def _open_append(owner: str, path: Path) -> IO[str]:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", encoding="utf-8", newline="")
+    except OSError as error:
+        msg = (
+            f"{owner}: cannot open {str(path)!r} for appending: {error}; pass a path "
+            "in a directory this process can write."
+        )
+        raise OSError(msg) from error
+
+
+class JSONLTracker:
+    """Append one JSON object per line to ``path``.
+
+    ``log(values, step)`` writes ``{"step": step, "time": <wall time>, **values}``;
+    ``store_init_configuration(values)`` writes ``{"config": {...}, "time": ...}``
+    to the same file, so a reader tells the two apart by the ``"config"`` key
+    (hence ``step``, ``time`` and ``config`` are reserved metric names). NaN and
+    infinities are written as ``NaN``/``Infinity``, which Python's ``json`` reads.
+
+    Args:
+        path: the file; created with its parent directories on first use, and
+            appended to when it exists.
+        main_process_only: whether only the main process writes (the default).
+        clock: the wall-time source for ``"time"``; ``time.time`` by default.
+    """
+
+    __slots__ = ("_clock", "_file", "_finished", "_main_process_only", "_path")
+
+    name: Final = "jsonl"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        main_process_only: bool = True,
+        clock: Clock = time.time,
+    ) -> None:
+        self._path = _check_path("JSONLTracker", path)
+        check_bool("JSONLTracker", "main_process_only", main_process_only)
+        self._main_process_only = main_process_only
+        self._clock = _check_clock("JSONLTracker", clock)
+        self._file: IO[str] | None = None
+        self._finished = False
+
+    @property
+    def path(self) -> Path:
+        """The file written."""
+        return self._path
+
+    @property
+    def main_process_only(self) -> bool:
+        """Whether only the main process calls this tracker."""
+        return self._main_process_only
+
+    def _write(self, record: Mapping[str, object]) -> None:
+        line = json.dumps(record) + "\n"
+        if self._file is None:
+            self._file = _open_append("JSONLTracker", self._path)
+        self._file.write(line)
+        self._file.flush()
+
+    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+        """Append ``{"step": step, "time": now, **values}`` as one line."""
+        check_open("JSONLTracker", "log", self._finished)
+        check_step("JSONLTracker.log", step)
+        plain = normalize_metrics(values, caller="JSONLTracker.log")
+        for reserved in (*_TIME_KEYS, "config"):
+            if reserved in plain:
+                msg = (
+                    f"JSONLTracker.log: {reserved!r} is a reserved key of each record; "
+                    f"got values with keys {sorted(plain)}; rename that metric."
+                )
+                raise ValueError(msg)
+        self._write({"step": step, "time": self._clock(), **plain})
+
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+        """Append ``{"config": values, "time": now}`` as one line."""
+        owner = "JSONLTracker.store_init_configuration"
+        check_open("JSONLTracker", "store_init_configuration", self._finished)
+        config = normalize_config(values, caller=owner)
+        self._write({"config": config, "time": self._clock()})
+
+    def finish(self) -> None:
+        """Flush and close the file (if it was ever opened)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._finished = True
+
+
+class CSVTracker:
+    """Append one CSV row per ``log`` to ``path``; columns are fixed once.
+
+    The columns are ``step``, ``time`` and the metric names of the first ``log``, in
+    their order, written as the header; when ``path`` already holds a header (a
+    resumed run) its columns are used instead. A later ``log`` may leave columns
+    empty, but a metric name outside the columns is a ``ValueError`` raised before
+    anything is written (log every metric in the first call, or use
+    ``JSONLTracker``). ``step=None`` leaves the cell empty.
+
+    The configuration goes to ``config_path`` (``metrics.csv`` →
+    ``metrics.config.json``): one JSON object, merged with what that file already
+    held, later keys winning, replaced atomically.
+
+    Args:
+        path: the CSV file; created with its parent directories on first use.
+        main_process_only: whether only the main process writes (the default).
+        clock: the wall-time source for ``time``; ``time.time`` by default.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_columns",
+        "_file",
+        "_finished",
+        "_main_process_only",
+        "_path",
+        "_writer",
+    )
+
+    name: Final = "csv"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        main_process_only: bool = True,
+        clock: Clock = time.time,
+    ) -> None:
+        self._path = _check_path("CSVTracker", path)
+        check_bool("CSVTracker", "main_process_only", main_process_only)
+        self._main_process_only = main_process_only
+        self._clock = _check_clock("CSVTracker", clock)
+        self._columns: tuple[str, ...] | None = None
+        self._file: IO[str] | None = None
+        self._writer: csv.DictWriter[str] | None = None
+        self._finished = False
+
+    @property
+    def path(self) -> Path:
+        """The CSV file written."""
+        return self._path
+
+    @property
+    def config_path(self) -> Path:
+        """The JSON file ``store_init_configuration`` writes."""
+        return self._path.with_suffix(".config.json")
+
+    @property
+    def main_process_only(self) -> bool:
+        """Whether only the main process calls this tracker."""
+        return self._main_process_only
+
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        """The CSV columns, or ``None`` before the first ``log``."""
+        return self._columns
+
+    def _existing_header(self) -> tuple[str, ...] | None:
+        try:
+            with self._path.open(encoding="utf-8", newline="") as handle:
+                header = next(csv.reader(handle), None)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            msg = (
+                f"CSVTracker: cannot open {str(self._path)!r} to read its header: "
+                f"{error}; pass a path in a directory this process can write."
+            )
+            raise OSError(msg) from error
+        if not header:
+            return None
+        if tuple(header[:2]) != _TIME_KEYS:
+            msg = (
+                f"CSVTracker: {str(self._path)!r} exists with header {header!r}, "
+                "which does not start with 'step', 'time'; pass a new path or one "
+                "a CSVTracker wrote."
+            )
+            raise ValueError(msg)
+        return tuple(header)
+
+    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+        """Append one row: ``step``, the wall time and ``values`` by column."""
+        check_open("CSVTracker", "log", self._finished)
+        check_step("CSVTracker.log", step)
+        plain = normalize_metrics(values, caller="CSVTracker.log")
+        columns = self._columns
+        write_header = False
+        if columns is None:
+            existing = self._existing_header()
+            write_header = existing is None
+            columns = (*_TIME_KEYS, *plain) if existing is None else existing
+        clash = [key for key in plain if key in _TIME_KEYS]
+        unknown = [key for key in plain if key not in columns]
+        if clash or unknown:
+            msg = (
+                f"CSVTracker.log: metric {(clash or unknown)[0]!r} has no column of "
+                f"its own; the columns are {list(columns)}. Log every metric in the "
+                "first call (step and time are reserved), or use JSONLTracker."
+            )
+            raise ValueError(msg)
+        if self._writer is None:
+            self._file = _open_append("CSVTracker", self._path)
+            self._writer = csv.DictWriter(self._file, fieldnames=columns)
+            if write_header:
+                self._writer.writeheader()
+            self._columns = columns
+        assert self._file is not None
+        self._writer.writerow({"step": step, "time": self._clock(), **plain})
+        self._file.flush()
+
+    @staticmethod
+    def _stored_config(owner: str, target: Path) -> dict[str, object]:
+        try:
+            text = target.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except OSError as error:
+            msg = (
+                f"{owner}: cannot open {str(target)!r} to read it: {error}; pass a "
+                "path in a directory this process can write."
+            )
+            raise OSError(msg) from error
+        try:
+            stored = json.loads(text)
+        except ValueError:
+            stored = None
+        if not isinstance(stored, dict):
+            msg = (
+                f"{owner}: {str(target)!r} exists but does not hold a JSON object; "
+                "move it away or pass another path."
+            )
+            raise ValueError(msg)
+        return stored
+
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+        """Merge ``values`` into the JSON object at ``config_path``."""
+        owner = "CSVTracker.store_init_configuration"
+        check_open("CSVTracker", "store_init_configuration", self._finished)
+        config = normalize_config(values, caller=owner)
+        target = self.config_path
+        merged = self._stored_config(owner, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            merged.update(config)
+            partial = target.with_name(target.name + ".partial")
+            partial.write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
+            os.replace(partial, target)
+        except OSError as error:
+            msg = (
+                f"{owner}: cannot write {str(target)!r}: {error}; pass a path in a "
+                "directory this process can write."
+            )
+            raise OSError(msg) from error
+
+    def finish(self) -> None:
+        """Flush and close the CSV file (if it was ever opened)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._writer = None
+        self._finished = True

@@ -1,0 +1,314 @@
+"""The MLflow tracker, which imports mlflow only when first used.
+
+Install it with ``pip install 'funcaccel[mlflow]'`` and import it from
+``funcaccel.trackers``. The tracker talks to one ``mlflow.MlflowClient`` of its own
+and never touches MLflow's process-wide state (``mlflow.set_tracking_uri``, the
+active run), so several trackers, pointing at different stores, may live in one
+process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+from typing import Final
+
+from funcaccel._checks import check_bool
+from funcaccel.tracking._values import check_open
+from funcaccel.tracking._values import check_step
+from funcaccel.tracking._values import normalize_config
+from funcaccel.tracking._values import normalize_metrics
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+__all__ = ["MLflowTracker"]
+
+_INSTALL_HINT: Final = (
+    "the mlflow package is not installed; install it with "
+    "`pip install 'funcaccel[mlflow]'` (or `pip install mlflow`)."
+)
+
+# A scheme of two or more characters ("sqlite:", "http:", "databricks:"), so that a
+# Windows drive letter ("C:\\runs\\mlflow.db") reads as a path.
+_URI_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]+:")
+
+# MLflow takes at most 100 params and 100 tags per log_batch request (and 1000
+# entities in all), so each request carries at most this many of each kind.
+_BATCH: Final = 100
+
+
+def _check_name(owner: str, name: str, value: object) -> str:
+    if not isinstance(value, str):
+        msg = f"{owner}: {name} must be a str; got {value!r} ({type(value).__name__})."
+        raise TypeError(msg)
+    if not value:
+        msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. 'funcaccel'."
+        raise ValueError(msg)
+    return value
+
+
+def _tracking_uri(value: object) -> tuple[str, Path | None]:
+    """Return the tracking URI and, for a local database, the database file."""
+    if not isinstance(value, (str, os.PathLike)):
+        msg = (
+            "MLflowTracker: tracking_uri must be a str or os.PathLike; got "
+            f"{value!r} ({type(value).__name__}). Pass a path such as "
+            "'runs/mlflow.db' or a URI such as 'http://localhost:5000'."
+        )
+        raise TypeError(msg)
+    if isinstance(value, str) and _URI_SCHEME.match(value):
+        return value, None
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text:
+        msg = (
+            f"MLflowTracker: tracking_uri must name a database file or a URI; got "
+            f"{value!r}. Pass a path such as 'runs/mlflow.db'."
+        )
+        raise ValueError(msg)
+    database = Path(os.path.abspath(text))
+    return f"sqlite:///{database.as_posix()}", database
+
+
+_NAMES_HINT: Final = (
+    "MLflow names hold only letters, digits, '_', '-', '.', ' ', ':' and '/'"
+)
+
+
+@contextmanager
+def _explained(owner: str, hint: str) -> Iterator[None]:
+    """Re-raise a value MLflow rejects as a ``ValueError`` that names ``owner``."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as error:
+        if error.error_code != "INVALID_PARAMETER_VALUE":
+            raise
+        msg = f"{owner}: MLflow rejected a value: {error.message}; {hint}."
+        raise ValueError(msg) from error
+
+
+def _prepare_database(database: Path) -> None:
+    """Create the database's directory, or say why it cannot be a database."""
+    # MLflow retries a database it cannot open for about two minutes before it
+    # raises, so the common mistakes are caught here first.
+    if database.is_dir():
+        msg = (
+            f"MLflowTracker: tracking_uri {str(database)!r} is a directory; pass "
+            f"the database file in it, such as {str(database / 'mlflow.db')!r}."
+        )
+        raise ValueError(msg)
+    try:
+        database.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        msg = (
+            f"MLflowTracker: cannot create the directory of {str(database)!r}: "
+            f"{error}; pass a path in a directory this process can write."
+        )
+        raise OSError(msg) from error
+
+
+def _experiment_id(
+    client: MlflowClient, name: str, artifact_location: str | None
+) -> str:
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as error:
+        # Another rank (main_process_only=False) created it in the meantime.
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    experiment = client.get_experiment_by_name(name)
+    assert experiment is not None, name
+    return experiment.experiment_id
+
+
+class MLflowTracker:
+    """Record metrics, tags and params in an MLflow run, through ``MlflowClient``.
+
+    ``tracking_uri`` is either a path or a URI. A path (``"runs/mlflow.db"``, the
+    local default) names a SQLite database, made absolute on construction and
+    created with its directory on first use; a new experiment in it keeps its
+    artifacts in ``mlartifacts/`` beside the database rather than under the
+    working directory. A string that starts with a scheme (``"sqlite:///..."``,
+    ``"http://host:5000"``, ``"https://..."``, ``"file:..."``, ``"databricks:..."``)
+    is passed to MLflow as is.
+
+    The experiment (created when missing) and a new run are set up on the first
+    call. ``log`` writes numbers (and bools, as 0/1) as metrics at ``step``
+    (``step=None`` is step 0, as in MLflow), one request per call of up to 100
+    values. Strings become run tags: a tag holds one value, so a later string
+    under the same key replaces it and its step is not kept (use ``JSONLTracker``
+    for a history of strings).
+    ``store_init_configuration`` writes params as strings (``None`` as ``"None"``);
+    MLflow keeps a param fixed once stored, so storing a key again with another
+    value is a ``ValueError``. Every request waits until MLflow has stored it, so
+    ``finish()`` only marks the run ``FINISHED``.
+
+    With ``main_process_only=False`` each process makes a run of its own in the
+    experiment; give each rank its own ``run_name`` to tell them apart.
+
+    Args:
+        tracking_uri: the local database file, or an MLflow tracking URI.
+        experiment_name: the experiment the run is recorded in.
+        run_name: the run's name; MLflow picks one when ``None``.
+        main_process_only: whether only the main process writes (the default).
+
+    Raises:
+        ImportError: mlflow is not installed (checked on construction, so every
+            rank fails early; nothing is imported until the first call).
+    """
+
+    __slots__ = (
+        "_artifact_location",
+        "_client",
+        "_database",
+        "_experiment_name",
+        "_finished",
+        "_main_process_only",
+        "_run_id",
+        "_run_name",
+        "_tracking_uri",
+    )
+
+    name: Final = "mlflow"
+
+    def __init__(
+        self,
+        tracking_uri: str | os.PathLike[str],
+        *,
+        experiment_name: str = "funcaccel",
+        run_name: str | None = None,
+        main_process_only: bool = True,
+    ) -> None:
+        uri, database = _tracking_uri(tracking_uri)
+        _check_name("MLflowTracker", "experiment_name", experiment_name)
+        if run_name is not None:
+            _check_name("MLflowTracker", "run_name", run_name)
+        check_bool("MLflowTracker", "main_process_only", main_process_only)
+        if importlib.util.find_spec("mlflow") is None:
+            raise ImportError(f"MLflowTracker: {_INSTALL_HINT}")
+        self._tracking_uri = uri
+        self._database = database
+        self._artifact_location = (
+            None if database is None else (database.parent / "mlartifacts").as_uri()
+        )
+        self._experiment_name = experiment_name
+        self._run_name = run_name
+        self._main_process_only = main_process_only
+        self._client: MlflowClient | None = None
+        self._run_id: str | None = None
+        self._finished = False
+
+    @property
+    def tracking_uri(self) -> str:
+        """The URI passed to ``MlflowClient`` (``sqlite:///...`` for a path)."""
+        return self._tracking_uri
+
+    @property
+    def experiment_name(self) -> str:
+        """The experiment the run is recorded in."""
+        return self._experiment_name
+
+    @property
+    def run_name(self) -> str | None:
+        """The run name given on construction, or ``None``."""
+        return self._run_name
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id, or ``None`` before the first call."""
+        return self._run_id
+
+    @property
+    def main_process_only(self) -> bool:
+        """Whether only the main process calls this tracker."""
+        return self._main_process_only
+
+    def _ready_run(self, method: str) -> tuple[MlflowClient, str]:
+        check_open("MLflowTracker", method, self._finished)
+        if self._client is not None and self._run_id is not None:
+            return self._client, self._run_id
+        from mlflow.tracking import MlflowClient
+
+        if self._database is not None:
+            _prepare_database(self._database)
+        hint = (
+            f"pass an experiment_name and run_name MLflow accepts, and restore the "
+            f"experiment {self._experiment_name!r} if it was deleted"
+        )
+        with _explained(f"MLflowTracker.{method}", hint):
+            client = MlflowClient(tracking_uri=self._tracking_uri)
+            experiment_id = _experiment_id(
+                client, self._experiment_name, self._artifact_location
+            )
+            run = client.create_run(experiment_id, run_name=self._run_name)
+        self._client, self._run_id = client, run.info.run_id
+        return client, run.info.run_id
+
+    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+        """Write numbers as metrics at ``step`` and strings as run tags."""
+        from mlflow.entities import Metric
+        from mlflow.entities import RunTag
+
+        check_step("MLflowTracker.log", step)
+        plain = normalize_metrics(values, caller="MLflowTracker.log")
+        client, run_id = self._ready_run("log")
+        millis = int(time.time() * 1000)
+        at = 0 if step is None else step
+        metrics = [
+            Metric(key, float(value), millis, at)
+            for key, value in plain.items()
+            if not isinstance(value, str)
+        ]
+        tags = [
+            RunTag(key, value) for key, value in plain.items() if isinstance(value, str)
+        ]
+        with _explained("MLflowTracker.log", f"rename the key ({_NAMES_HINT})"):
+            for start in range(0, max(len(metrics), len(tags)), _BATCH):
+                client.log_batch(
+                    run_id,
+                    metrics=metrics[start : start + _BATCH],
+                    tags=tags[start : start + _BATCH],
+                    synchronous=True,
+                )
+
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+        """Write ``values`` as the run's params, as strings (``None`` as "None")."""
+        from mlflow.entities import Param
+
+        owner = "MLflowTracker.store_init_configuration"
+        config = normalize_config(values, caller=owner)
+        client, run_id = self._ready_run("store_init_configuration")
+        params: Sequence[Param] = [
+            Param(key, str(value)) for key, value in config.items()
+        ]
+        hint = (
+            "a param cannot change once stored in a run: store each key once, or "
+            f"log a changing value as a metric ({_NAMES_HINT})"
+        )
+        with _explained(owner, hint):
+            for start in range(0, len(params), _BATCH):
+                client.log_batch(
+                    run_id, params=params[start : start + _BATCH], synchronous=True
+                )
+
+    def finish(self) -> None:
+        """Mark the run ``FINISHED`` (if it was ever created); twice is harmless."""
+        if self._client is not None and self._run_id is not None:
+            self._client.set_terminated(self._run_id)
+            self._client = None
+        self._finished = True

@@ -1,0 +1,162 @@
+"""The values trackers accept and the checks every tracker shares.
+
+``MetricValue`` / ``ConfigValue``, ``normalize_metrics`` / ``normalize_config`` and
+the step and finished-tracker checks; ``funcaccel.tracking`` re-exports the public
+names.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import TypeAlias
+
+import torch
+
+from funcaccel._checks import type_name
+
+__all__ = [
+    "ConfigValue",
+    "MetricValue",
+    "normalize_config",
+    "normalize_metrics",
+]
+
+MetricValue: TypeAlias = float | int | str
+"""A value ``Tracker.log`` accepts (SPEC §9)."""
+
+ConfigValue: TypeAlias = bool | str | float | int | None
+"""A value ``Tracker.store_init_configuration`` accepts (SPEC §9)."""
+
+
+def _scalar_from_tensor(
+    caller: str, key: str, value: torch.Tensor
+) -> bool | int | float:
+    if value.numel() != 1:
+        msg = (
+            f"{caller}: value {key!r} is a tensor with {value.numel()} elements "
+            f"(shape {tuple(value.shape)}); log a single number, such as "
+            "tensor.mean() or one tensor per key."
+        )
+        raise ValueError(msg)
+    item = value.item()
+    if isinstance(item, complex):
+        msg = f"{caller}: value {key!r} is a complex tensor ({value!r}); log a real number."
+        raise TypeError(msg)
+    return item
+
+
+def _check_key(caller: str, key: object) -> str:
+    if not isinstance(key, str):
+        msg = (
+            f"{caller}: keys must be str; got {key!r} ({type_name(key)}); name each "
+            "value with a string such as 'loss'."
+        )
+        raise TypeError(msg)
+    return key
+
+
+def check_mapping(caller: str, what: str, values: object) -> Mapping[object, object]:
+    if not isinstance(values, Mapping):
+        msg = (
+            f"{caller}: {what} must be a mapping such as {{'loss': 0.5}}; got "
+            f"{values!r} ({type_name(values)})."
+        )
+        raise TypeError(msg)
+    return values
+
+
+def normalize_metrics(
+    values: Mapping[str, object], *, caller: str = "normalize_metrics"
+) -> dict[str, bool | int | float | str]:
+    """Return a new dict of plain metric values; ``values`` is left unchanged.
+
+    Python and NumPy numbers become ``int``/``float`` (``bool`` stays ``bool``),
+    one-element tensors become their ``item()``, strings stay strings.
+
+    Args:
+        values: metric names to values.
+        caller: the name error messages start with.
+
+    Raises:
+        TypeError: ``values`` is not a mapping, a key is not a str, or a value is
+            of another type.
+        ValueError: a tensor with other than one element.
+
+    >>> normalize_metrics({"loss": torch.tensor([0.5]), "epoch": 2, "tag": "a"})
+    {'loss': 0.5, 'epoch': 2, 'tag': 'a'}
+    """
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in check_mapping(caller, "values", values).items():
+        name = _check_key(caller, key)
+        if isinstance(value, (bool, str)):
+            out[name] = value
+        elif isinstance(value, torch.Tensor):
+            out[name] = _scalar_from_tensor(caller, name, value)
+        elif isinstance(value, numbers.Integral):
+            out[name] = int(value)
+        elif isinstance(value, numbers.Real):
+            out[name] = float(value)
+        else:
+            msg = (
+                f"{caller}: value {name!r} is {value!r} ({type_name(value)}); log "
+                "an int, float, str, bool or one-element tensor."
+            )
+            raise TypeError(msg)
+    return out
+
+
+def normalize_config(
+    values: Mapping[str, object], *, caller: str = "normalize_config"
+) -> dict[str, ConfigValue]:
+    """Return a new dict of plain configuration values; ``values`` is left unchanged.
+
+    Accepts what ``normalize_metrics`` accepts, plus ``None``.
+
+    Raises:
+        TypeError: ``values`` is not a mapping, a key is not a str, or a value is
+            of another type (convert it, e.g. ``str(betas)``).
+        ValueError: a tensor with other than one element.
+
+    >>> normalize_config({"lr": 3e-4, "scheduler": None, "amp": True})
+    {'lr': 0.0003, 'scheduler': None, 'amp': True}
+    """
+    mapping = check_mapping(caller, "values", values)
+    out: dict[str, ConfigValue] = {}
+    for key, value in mapping.items():
+        name = _check_key(caller, key)
+        if value is None:
+            out[name] = None
+            continue
+        try:
+            out.update(normalize_metrics({name: value}, caller=caller))
+        except TypeError:
+            msg = (
+                f"{caller}: configuration value {name!r} is {value!r} "
+                f"({type_name(value)}); store a bool, str, int, float or None "
+                f"(for example str({name}))."
+            )
+            raise TypeError(msg) from None
+    return out
+
+
+def check_step(caller: str, step: object) -> None:
+    if step is None:
+        return
+    if not isinstance(step, int) or isinstance(step, bool):
+        msg = (
+            f"{caller}: step must be an int or None; got {step!r} ({type_name(step)})."
+        )
+        raise TypeError(msg)
+    if step < 0:
+        msg = f"{caller}: step must be >= 0; got {step}."
+        raise ValueError(msg)
+
+
+def check_open(owner: str, method: str, finished: bool) -> None:
+    if finished:
+        msg = (
+            f"{owner}.{method}: the tracker was finished; build a new {owner} to "
+            "record more (a file tracker appends to its file)."
+        )
+        raise ValueError(msg)
