@@ -5,7 +5,7 @@
 ``output_trace_dir`` set, each rank writes its own files there (no barrier, no
 communication), named by ``profiler_trace_path``:
 
-- ``profile_<rank>.json``: written after the body exits normally (SPEC §7.5); with
+- ``profile_<rank>.json``: written after the body exits normally (docs/profiler.md#semantics-profiling-and-trace-files); with
   2 ranks, ``profile_0.json`` and ``profile_1.json``.
 - ``profile_<rank>_cycle<N>.json``: with a ``schedule_option`` and no user
   ``on_trace_ready``, one file per active window completed by ``prof.step()``,

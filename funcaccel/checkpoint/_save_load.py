@@ -33,7 +33,7 @@ and only then moves ``latest`` and deletes checkpoints beyond ``keep_last``, so 
 process killed at any moment leaves ``latest`` naming a complete checkpoint.
 
 **Accumulation windows.** Gradients of an open accumulation window are not part of
-a checkpoint (SPEC §6), so ``save_checkpoint`` refuses a ``GradState`` with
+a checkpoint (docs/accumulate.md#semantics-gradient-accumulation), so ``save_checkpoint`` refuses a ``GradState`` with
 ``micro_step != 0``: save right after an optimizer step (``grad.sync_gradients``)
 with ``loader=batch.state``, and resume with ``iter_batches(loader, loaded.loader)``.
 

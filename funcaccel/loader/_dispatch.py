@@ -1,4 +1,6 @@
-"""Dispatch mode: rank 0 reads, every rank receives its rows (SPEC §5).
+"""Dispatch mode: rank 0 reads, every rank receives its rows.
+
+The rules: docs/loader.md#semantics-dispatch-mode.
 
 Batches are walked by the package's one tree walker (``funcaccel._tree``), so a
 batch is split into the same leaves here as when sharding or gathering.
@@ -136,7 +138,7 @@ def _global_batches(
                 return
             yield _build(chunk, index)
             index += 1
-    except Exception as error:  # sent to every rank, then raised (SPEC §5)
+    except Exception as error:  # sent to every rank, then raised (docs/loader.md#semantics-dispatch-mode)
         yield _Failure(error, index)
 
 

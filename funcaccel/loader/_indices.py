@@ -1,4 +1,6 @@
-"""Where each epoch's indices come from, and how a resume skips them (SPEC §4.1, §4.2).
+"""Where each epoch's indices come from, and how a resume skips them.
+
+The rules: docs/loader.md#semantics-resuming-from-a-loaderstate, docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
 
 ``BaseIndices`` describes, once per loader, the unsharded index stream of the
 original ``DataLoader``: the seeded replacement of a shuffling ``RandomSampler``, a
@@ -75,7 +77,7 @@ class BaseIndices:
     """The unsharded index stream of a map-style loader, one epoch at a time.
 
     ``kind`` is ``"random"`` for the seeded replacement of a ``RandomSampler``
-    (SPEC §4.2: the order torch's ``RandomSampler`` draws with a fresh generator
+    (docs/loader.md#semantics-epoch-order-and-rng-synchronisation: the order torch's ``RandomSampler`` draws with a fresh generator
     seeded ``seed + epoch``), ``"sequential"`` for a ``SequentialSampler``, and
     ``"given"`` for anything else, used as it is. ``batched`` is false when the
     loader does not batch (then items are single indices); with ``"given"`` and
@@ -116,7 +118,9 @@ class BaseIndices:
 
     @property
     def generator(self) -> torch.Generator | None:
-        """The generator the loader synchronises for ``"generator"`` (SPEC §4.2).
+        """The generator the loader synchronises for ``"generator"``.
+
+        The rules: docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
 
         ``None`` for the seeded replacement, whose generator is made fresh from the
         seed every epoch (synchronising it before reseeding would change nothing).

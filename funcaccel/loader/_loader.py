@@ -1,4 +1,6 @@
-"""Sharded data loading: ``shard_loader``, ``iter_batches``, ``LoaderState`` (SPEC §4, §5).
+"""Sharded data loading: ``shard_loader``, ``iter_batches``, ``LoaderState``.
+
+The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
 
 ``shard_loader(ctx, dataloader)`` returns a ``ShardedLoader``: a drop-in for the
 ``DataLoader`` that yields this rank's batches, on ``ctx.device``. The caller's
@@ -131,7 +133,9 @@ class ShardedLoader:
         self._epoch = epoch
 
     def __len__(self) -> int:
-        """Return the number of batches this rank yields per epoch (SPEC §4, §5).
+        """Return the number of batches this rank yields per epoch.
+
+        The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
 
         Raises:
             TypeError: The dataset (iterable) or the batch sampler has no ``len()``.
@@ -165,7 +169,9 @@ def shard_loader(
     non_blocking: bool = False,
     slice_fn: Callable[[Any, slice], Any] | None = None,
 ) -> ShardedLoader:
-    """Return this rank's share of ``dataloader`` (SPEC §4, §5).
+    """Return this rank's share of ``dataloader``.
+
+    The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
 
     ``dataloader``, its sampler and ``rng_types`` are left unchanged. A shuffling
     ``RandomSampler`` (in torch's ``BatchSampler``) is replaced by one that draws
@@ -240,7 +246,10 @@ def shard_loader(
 
 
 def _skip(loader: ShardedLoader, state: LoaderState) -> int:
-    """Return how many of this rank's batches ``state`` has consumed (SPEC §4.1)."""
+    """Return how many of this rank's batches ``state`` has consumed.
+
+    The rules: docs/loader.md#semantics-resuming-from-a-loaderstate.
+    """
     if state.global_batches == 0:
         return 0
     total = loader.total_batch_size

@@ -1,4 +1,6 @@
-"""Move nested batches to a device without touching the input (SPEC §4).
+"""Move nested batches to a device without touching the input.
+
+The rules: docs/loader.md#semantics-building-a-sharded-loader.
 
 A batch is walked as a tree by the package's one walker (``funcaccel._tree``):
 tensors and other leaves with a ``.to`` method are moved, lists, tuples, named

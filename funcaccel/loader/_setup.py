@@ -1,4 +1,6 @@
-"""``shard_loader``'s decision procedure (SPEC §4 steps 1–7), as one frozen value.
+"""``shard_loader``'s decision procedure, as one frozen value.
+
+The seven steps: docs/loader.md#semantics-building-a-sharded-loader.
 
 ``build_setup`` checks the arguments, reads what it needs from the caller's
 ``DataLoader`` (never changing it) and builds the inner ``DataLoader`` this rank
@@ -40,7 +42,10 @@ _WHERE: Final = "shard_loader"
 
 
 def kept_settings(dataloader: DataLoader[Any]) -> dict[str, Any]:
-    """Return the ``DataLoader`` arguments the inner loader keeps (SPEC §4 step 6)."""
+    """Return the ``DataLoader`` arguments the inner loader keeps.
+
+    The rules: docs/loader.md#semantics-building-a-sharded-loader step 6.
+    """
     return {
         "num_workers": dataloader.num_workers,
         "collate_fn": dataloader.collate_fn,
@@ -220,7 +225,10 @@ def build_setup(
     non_blocking: bool,
     slice_fn: SliceFn | None,
 ) -> Setup:
-    """Check ``shard_loader``'s arguments and decide how this rank loads (SPEC §4)."""
+    """Check ``shard_loader``'s arguments and decide how this rank loads.
+
+    The rules: docs/loader.md#semantics-building-a-sharded-loader.
+    """
     flags = {
         "split_batches": split_batches,
         "put_on_device": put_on_device,

@@ -1,6 +1,6 @@
 """The values ``iter_batches`` threads and yields: ``LoaderState`` and ``Batch``.
 
-``LoaderState`` is what a checkpoint stores to resume a loader (SPEC §4.1); a
+``LoaderState`` is what a checkpoint stores to resume a loader (docs/loader.md#semantics-resuming-from-a-loaderstate); a
 ``Batch`` is one record of ``iter_batches``, whose ``state`` is the ``LoaderState``
 to resume from after it.
 """
@@ -111,7 +111,7 @@ class Batch:
         index: The global batch index within the epoch (skipped ones counted).
         is_last: Whether this is the last batch this rank yields in the epoch.
         remainder: Real samples in the epoch's last global batch: ``n % G`` (0 when
-            complete), -1 with ``drop_last`` or when unknown (SPEC §4, §5).
+            complete), -1 with ``drop_last`` or when unknown (docs/loader.md#semantics-building-a-sharded-loader and docs/loader.md#semantics-dispatch-mode).
         epoch: The epoch this batch belongs to.
         total_batch_size: The loader's global batch size ``G`` (``None`` if dynamic).
     """

@@ -1,7 +1,9 @@
-"""One epoch of a ``ShardedLoader``, as a stream of batches (SPEC §4, §4.2, §5).
+"""One epoch of a ``ShardedLoader``, as a stream of batches.
+
+The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-epoch-order-and-rng-synchronisation, docs/loader.md#semantics-dispatch-mode.
 
 Each function takes the loader's ``Setup`` and the epoch; the epoch-start work of
-SPEC §4.2 (synchronise, seed, ``set_epoch``) runs when the stream is first advanced.
+docs/loader.md#semantics-epoch-order-and-rng-synchronisation (synchronise, seed, ``set_epoch``) runs when the stream is first advanced.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def _unsized(what: object) -> TypeError:
 
 
 def length(setup: Setup) -> int:
-    """Return ``len(loader)``: batches this rank yields per epoch (SPEC §4, §5)."""
+    """Return ``len(loader)``: batches this rank yields per epoch.
+
+    The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
+    """
     ctx, bs, drop_last = setup.ctx, setup.batch_size, setup.drop_last
     p = ctx.num_processes
     if setup.base is not None:
@@ -61,7 +66,7 @@ def length(setup: Setup) -> int:
             raise _unsized(dataset)
         n = len(dataset)
         k = n if bs is None else n // bs if drop_last else -(-n // bs)
-    # Iterable shards and dispatch both group k base batches by p (SPEC §4, §5).
+    # Iterable shards and dispatch both group k base batches by p (docs/loader.md#semantics-building-a-sharded-loader and docs/loader.md#semantics-dispatch-mode).
     if p == 1 or setup.split_batches:
         return k
     return k // p if drop_last else -(-k // p)
@@ -81,7 +86,10 @@ def _epoch_samples(setup: Setup) -> int | None:
 
 
 def _start_epoch(setup: Setup, epoch: int) -> None:
-    """SPEC §4.2, on every rank: synchronise, seed, then ``set_epoch``."""
+    """Start an epoch on every rank: synchronise, seed, then ``set_epoch``.
+
+    The rules: docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
+    """
     sync_rng_states(
         setup.ctx, setup.rng_types, setup.sync_generator, caller="iter_batches"
     )
@@ -97,7 +105,9 @@ def _consume(iterator: Iterator[Any], count: int) -> None:
 
 
 def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
-    """Start ``epoch`` (SPEC §4.2) and return this rank's batch iterator.
+    """Start ``epoch`` and return this rank's batch iterator.
+
+    The epoch's start: docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
 
     The iterator is the inner ``DataLoader``'s own, positioned after this rank's
     first ``skip`` batches: for map-style data only indices were skipped; for

@@ -31,7 +31,9 @@ def sync_rng_states(
     *,
     caller: str = "sync_rng_states",
 ) -> None:
-    """Set the named generators of every rank to rank 0's states (SPEC §4.2 step 1).
+    """Set the named generators of every rank to rank 0's states.
+
+    The rules: docs/loader.md#semantics-epoch-order-and-rng-synchronisation step 1.
 
     ``"torch"`` is torch's default CPU generator, ``"cuda"`` the generator of
     ``ctx.device`` and ``"generator"`` is ``generator`` (skipped when ``None``).

@@ -1,4 +1,6 @@
-"""Shard batch samplers and iterable datasets across processes (SPEC §2 and §3).
+"""Shard batch samplers and iterable datasets across processes.
+
+The rules: docs/sharding.md#semantics-sharding-a-batch-sampler, docs/sharding.md#semantics-sharding-an-iterable-dataset.
 
 Everything here is index arithmetic on values the caller passes in: nothing reads
 ``torch.distributed``, the environment or a global. A shard is a frozen value that
@@ -39,7 +41,7 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedBatchSampler(Sampler[list[int]]):
-    """The batches of one rank, cut from a base batch sampler as SPEC §2 states.
+    """The batches of one rank, cut from a base batch sampler (rules: docs/sharding.md).
 
     Built by :func:`shard_batch_sampler`, whose arguments are its fields. Also holds
     ``batch_size`` (``bs``; ``None`` for a dynamic sampler) and ``drop_last``, read
@@ -207,7 +209,9 @@ def shard_batch_sampler(
     split_batches: bool = False,
     even_batches: bool = True,
 ) -> ShardedBatchSampler:
-    """Return the batches of rank ``process_index`` out of ``batch_sampler`` (SPEC §2).
+    """Return the batches of rank ``process_index`` out of ``batch_sampler``.
+
+    The rules: docs/sharding.md#semantics-sharding-a-batch-sampler.
 
     Without ``split_batches`` rank ``i`` takes every ``p``-th base batch; with it,
     slice ``i`` of every base batch. With ``even_batches`` (and no ``drop_last`` on

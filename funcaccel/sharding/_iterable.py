@@ -1,4 +1,6 @@
-"""Shard an iterable dataset (a stream) across processes (SPEC §3).
+"""Shard an iterable dataset (a stream) across processes.
+
+The rules: docs/sharding.md#semantics-sharding-an-iterable-dataset.
 
 Every rank reads the whole stream and keeps its slice of each global batch; pure
 arithmetic on the values passed in, as in ``funcaccel.sharding``, which re-exports
@@ -31,7 +33,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedIterableDataset(IterableDataset[_T]):
-    """The samples of one rank, cut from a stream as SPEC §3 states.
+    """The samples of one rank, cut from a stream (rules: docs/sharding.md).
 
     Built by :func:`shard_iterable_dataset`, whose arguments are its fields. Every
     rank reads the whole stream into buffers of ``total_batch_size`` samples and
@@ -129,7 +131,9 @@ def shard_iterable_dataset(
     process_index: int = 0,
     split_batches: bool = False,
 ) -> ShardedIterableDataset[_T]:
-    """Return the samples of rank ``process_index`` out of the stream ``dataset`` (SPEC §3).
+    """Return the samples of rank ``process_index`` out of the stream ``dataset``.
+
+    The rules: docs/sharding.md#semantics-sharding-an-iterable-dataset.
 
     Every rank reads the whole stream into consecutive buffers of ``G`` samples and
     yields positions ``[i*c, (i+1)*c)`` of each. A last partial buffer is dropped

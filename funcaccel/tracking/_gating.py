@@ -1,4 +1,6 @@
-"""Experiment trackers and the one place that decides which rank calls them (SPEC §9).
+"""Experiment trackers and the one place that decides which rank calls them.
+
+The rules: docs/tracking.md#semantics-trackers-and-gating.
 
 A tracker is any object with the ``Tracker`` methods; the helpers here take ``ctx``
 and call each tracker on the main process only, or on every rank for a tracker whose

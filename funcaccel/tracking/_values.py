@@ -23,10 +23,16 @@ __all__ = [
 ]
 
 MetricValue: TypeAlias = float | int | str
-"""A value ``Tracker.log`` accepts (SPEC §9)."""
+"""A value ``Tracker.log`` accepts.
+
+The rules: docs/tracking.md#semantics-trackers-and-gating.
+"""
 
 ConfigValue: TypeAlias = bool | str | float | int | None
-"""A value ``Tracker.store_init_configuration`` accepts (SPEC §9)."""
+"""A value ``Tracker.store_init_configuration`` accepts.
+
+The rules: docs/tracking.md#semantics-trackers-and-gating.
+"""
 
 
 def _scalar_from_tensor(
