@@ -1,22 +1,22 @@
 """funcaccel: functional, stateless distributed-training building blocks for PyTorch.
 
 Importing funcaccel starts no process group, reads no environment variable and adds
-no logging handler. Build a ``DistributedContext`` with ``build_context()`` and pass
+no logging handler. The checkpoint, tracking, profiler and environment-report names are
+imported on first use. Build a ``DistributedContext`` with ``build_context()`` and pass
 it into the functions below.
 """
 
 from __future__ import annotations
 
+import importlib
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Final
+
 from funcaccel._version import __version__ as __version__
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import sync_ctx
-from funcaccel.checkpoint import CheckpointMeta
-from funcaccel.checkpoint import LoadedState
-from funcaccel.checkpoint import latest_checkpoint
-from funcaccel.checkpoint import list_checkpoints
-from funcaccel.checkpoint import load_checkpoint
-from funcaccel.checkpoint import read_checkpoint_meta
-from funcaccel.checkpoint import save_checkpoint
 from funcaccel.collectives import BatchInfo
 from funcaccel.collectives import Reduction
 from funcaccel.collectives import broadcast
@@ -31,7 +31,6 @@ from funcaccel.context import DistributedType
 from funcaccel.context import build_context
 from funcaccel.context import close_context
 from funcaccel.context import context_from_env
-from funcaccel.envreport import env_report
 from funcaccel.grad_state import GradState
 from funcaccel.grad_state import advance_grad_state
 from funcaccel.grad_state import should_skip_grad_sync
@@ -62,8 +61,6 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from funcaccel.profiler import build_profiler
-from funcaccel.profiler import profiler_trace_path
 from funcaccel.progress import progress
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
@@ -71,18 +68,57 @@ from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
-from funcaccel.tracking import ConfigValue
-from funcaccel.tracking import CSVTracker
-from funcaccel.tracking import InMemoryTracker
-from funcaccel.tracking import JSONLTracker
-from funcaccel.tracking import LogRecord
-from funcaccel.tracking import MetricValue
-from funcaccel.tracking import MLflowTracker
-from funcaccel.tracking import TensorBoardTracker
-from funcaccel.tracking import Tracker
-from funcaccel.tracking import finish_trackers
-from funcaccel.tracking import log_metrics
-from funcaccel.tracking import store_config
+
+if TYPE_CHECKING:
+    from funcaccel.checkpoint import CheckpointMeta
+    from funcaccel.checkpoint import LoadedState
+    from funcaccel.checkpoint import latest_checkpoint
+    from funcaccel.checkpoint import list_checkpoints
+    from funcaccel.checkpoint import load_checkpoint
+    from funcaccel.checkpoint import read_checkpoint_meta
+    from funcaccel.checkpoint import save_checkpoint
+    from funcaccel.envreport import env_report
+    from funcaccel.profiler import build_profiler
+    from funcaccel.profiler import profiler_trace_path
+    from funcaccel.tracking import ConfigValue
+    from funcaccel.tracking import CSVTracker
+    from funcaccel.tracking import InMemoryTracker
+    from funcaccel.tracking import JSONLTracker
+    from funcaccel.tracking import LogRecord
+    from funcaccel.tracking import MetricValue
+    from funcaccel.tracking import MLflowTracker
+    from funcaccel.tracking import TensorBoardTracker
+    from funcaccel.tracking import Tracker
+    from funcaccel.tracking import finish_trackers
+    from funcaccel.tracking import log_metrics
+    from funcaccel.tracking import store_config
+
+_LAZY: Final = MappingProxyType(
+    {
+        "CheckpointMeta": "funcaccel.checkpoint",
+        "LoadedState": "funcaccel.checkpoint",
+        "latest_checkpoint": "funcaccel.checkpoint",
+        "list_checkpoints": "funcaccel.checkpoint",
+        "load_checkpoint": "funcaccel.checkpoint",
+        "read_checkpoint_meta": "funcaccel.checkpoint",
+        "save_checkpoint": "funcaccel.checkpoint",
+        "env_report": "funcaccel.envreport",
+        "build_profiler": "funcaccel.profiler",
+        "profiler_trace_path": "funcaccel.profiler",
+        "ConfigValue": "funcaccel.tracking",
+        "CSVTracker": "funcaccel.tracking",
+        "InMemoryTracker": "funcaccel.tracking",
+        "JSONLTracker": "funcaccel.tracking",
+        "LogRecord": "funcaccel.tracking",
+        "MetricValue": "funcaccel.tracking",
+        "MLflowTracker": "funcaccel.tracking",
+        "TensorBoardTracker": "funcaccel.tracking",
+        "Tracker": "funcaccel.tracking",
+        "finish_trackers": "funcaccel.tracking",
+        "log_metrics": "funcaccel.tracking",
+        "store_config": "funcaccel.tracking",
+    }
+)
 
 __all__ = [
     "AutocastKwargs",
@@ -161,3 +197,17 @@ __all__ = [
     "window_grad_factor",
     "wrap_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Names whose modules most scripts need only later (at the first save, log or
+    # profile) are imported on first access, which keeps ``import funcaccel`` cheap.
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'funcaccel' has no attribute {name!r}"
+        raise AttributeError(msg)
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

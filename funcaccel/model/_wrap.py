@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 from typing import Final
 from typing import TypeAlias
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,22 +51,33 @@ __all__ = [
 # torch.distributed.GradBucket, so the bucket is typed Any.
 _CommHook: TypeAlias = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 
-_HOOKS: Final[Mapping[DDPCommunicationHookType, _CommHook]] = MappingProxyType(
-    {
+
+
+def _hook(hook_type: DDPCommunicationHookType) -> _CommHook:
+    """Return torch's hook for ``hook_type`` (its module is imported on first use)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    hooks: dict[DDPCommunicationHookType, _CommHook] = {
         DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
         DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
         DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
         DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
     }
-)
-_WRAPPERS: Final[
-    Mapping[DDPCommunicationHookType, Callable[[_CommHook], _CommHook]]
-] = MappingProxyType(
-    {
+    return hooks[hook_type]
+
+
+def _wrapper(wrapper_type: DDPCommunicationHookType) -> Callable[[_CommHook], _CommHook]:
+    """Return torch's compression wrapper for ``wrapper_type`` (imported on first use)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wrappers: dict[DDPCommunicationHookType, Callable[[_CommHook], _CommHook]] = {
         DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
         DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
     }
-)
+    return wrappers[wrapper_type]
+
+
 _POWER_SGD_HOOKS: Final = frozenset(
     {DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD}
 )
@@ -246,15 +253,17 @@ def _register_comm_hook(
     hook_type = DDPCommunicationHookType(kwargs.comm_hook)
     if hook_type is DDPCommunicationHookType.NO:
         return
-    hook = _HOOKS[hook_type]
+    hook = _hook(hook_type)
     state: object = None
     if hook_type in _POWER_SGD_HOOKS:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
         state = powerSGD_hook.PowerSGDState(
             process_group=None, **kwargs.comm_state_option
         )
     wrapper_type = DDPCommunicationHookType(kwargs.comm_wrapper)
     if wrapper_type is not DDPCommunicationHookType.NO:
-        hook = _WRAPPERS[wrapper_type](hook)
+        hook = _wrapper(wrapper_type)(hook)
     ddp.register_comm_hook(state, hook)
 
 
