@@ -142,7 +142,9 @@ def _is_interactive_main() -> bool:
     return main is None or getattr(main, "__file__", None) is None
 
 
-def pick_start_method(fn: Callable[..., object], args: tuple[object, ...]) -> StartMethod:
+def pick_start_method(
+    fn: Callable[..., object], args: tuple[object, ...]
+) -> StartMethod:
     """Return how ``launch`` starts processes for ``fn(*args)`` by default.
 
     ``"spawn"`` (a fresh interpreter per rank, safe with threads and CUDA) when
@@ -219,7 +221,7 @@ def _failure(rank: int, error: BaseException) -> _Outcome:
     try:
         payload = pickle.dumps(error)
         pickle.loads(payload)  # some exceptions pickle but do not load back
-    except Exception:  # noqa: BLE001 - any failure means: send the text only
+    except Exception:  # any failure means: send the text only
         payload = b""
     return _Outcome(
         rank=rank,
@@ -271,7 +273,7 @@ def _child(
             summary="",
             finished_at=time.time(),
         )
-    except BaseException as error:  # noqa: BLE001 - reported to the parent
+    except BaseException as error:  # reported to the parent
         outcome = _failure(rank, error)
     finally:
         if dist.is_available() and dist.is_initialized():
@@ -317,8 +319,10 @@ def _raise_failure(failures: list[_Outcome], num_processes: int) -> None:
 
 
 def _exit_message(rank: int, code: int | None, num_processes: int) -> str:
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else (
-        f"exited with code {code}"
+    how = (
+        f"was killed by signal {-code}"
+        if code is not None and code < 0
+        else (f"exited with code {code}")
     )
     hint = " (SIGKILL: out of memory?)" if code == -9 else ""
     return (

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Final
 from typing import Literal
 from typing import TypedDict
-from typing import cast
 from typing import TypeVar
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -147,10 +147,10 @@ def run_ranks(
     if world_size == 1:
         return [fn(rank_ctx(1, 0), *args)]
     call: Callable[..., object] = _call_with_ctx  # fn's types are checked above
+    payload: tuple[object, ...] = (fn, *args)
     results = launch(
         call,
-        fn,
-        *args,
+        *payload,
         num_processes=world_size,
         timeout_s=timeout_s,
         start_method=start_method,
