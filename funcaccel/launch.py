@@ -139,7 +139,8 @@ class _MainFinder(pickle.Pickler):
 def _is_interactive_main() -> bool:
     """Whether ``__main__`` has no file a fresh interpreter could import (REPL, notebook)."""
     main = sys.modules.get("__main__")
-    return main is None or getattr(main, "__file__", None) is None
+    path = getattr(main, "__file__", None)  # "<stdin>" for `python -`
+    return not isinstance(path, str) or not os.path.isfile(path)
 
 
 def pick_start_method(
