@@ -14,7 +14,7 @@ With 2 ranks and ``local_sgd_steps=2``: after step 1 rank 0 holds ``w0`` and ran
 ``r``'s parameter after its own second step.
 
 >>> state = LocalSGDState(local_sgd_steps=2)
->>> state.steps, should_average(state), should_average(state.advanced())
+>>> state.steps, should_average(state), should_average(state.advanced().advanced())
 (0, False, True)
 """
 

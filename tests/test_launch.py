@@ -158,7 +158,11 @@ def test_pick_start_method_spawns_importable_functions_and_forks_the_rest() -> N
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"num_processes": 0}, ValueError, r"launch: num_processes must be >= 1; got 0"),
+        (
+            {"num_processes": 0},
+            ValueError,
+            r"launch: num_processes must be >= 1; got 0",
+        ),
         ({"num_processes": 2.0}, TypeError, r"launch: num_processes must be an int"),
         ({"num_processes": 2, "timeout_s": 0}, ValueError, r"timeout_s must be > 0"),
         (
