@@ -36,6 +36,7 @@ from funcaccel.grad_state import advance_grad_state
 from funcaccel.grad_state import should_skip_grad_sync
 from funcaccel.grad_state import should_sync
 from funcaccel.grad_state import window_grad_factor
+from funcaccel.join import join_uneven_inputs
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
@@ -43,6 +44,8 @@ from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.kwargs import InitProcessGroupKwargs
 from funcaccel.kwargs import KwargsHandler
 from funcaccel.kwargs import ProfileKwargs
+from funcaccel.launch import LaunchError
+from funcaccel.launch import launch
 from funcaccel.loader import Batch
 from funcaccel.loader import LoaderState
 from funcaccel.loader import RngType
@@ -50,6 +53,9 @@ from funcaccel.loader import ShardedLoader
 from funcaccel.loader import iter_batches
 from funcaccel.loader import send_to_device
 from funcaccel.loader import shard_loader
+from funcaccel.local_sgd import LocalSGDState
+from funcaccel.local_sgd import average_parameters_
+from funcaccel.local_sgd import local_sgd_step
 from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.mixed_precision import autocast_dtype
 from funcaccel.mixed_precision import build_grad_scaler
@@ -68,6 +74,8 @@ from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
+from funcaccel.sync import no_sync
+from funcaccel.sync import sync_in_backward
 
 if TYPE_CHECKING:
     from funcaccel.checkpoint import CheckpointMeta
@@ -138,8 +146,10 @@ __all__ = [
     "InitProcessGroupKwargs",
     "JSONLTracker",
     "KwargsHandler",
+    "LaunchError",
     "LoadedState",
     "LoaderState",
+    "LocalSGDState",
     "LogRecord",
     "MLflowTracker",
     "MetricValue",
@@ -155,6 +165,7 @@ __all__ = [
     "advance_grad_state",
     "autocast_ctx",
     "autocast_dtype",
+    "average_parameters_",
     "broadcast",
     "broadcast_object",
     "build_context",
@@ -169,12 +180,16 @@ __all__ = [
     "gather_for_metrics",
     "gather_object",
     "iter_batches",
+    "join_uneven_inputs",
     "latest_checkpoint",
+    "launch",
     "list_checkpoints",
     "load_checkpoint",
+    "local_sgd_step",
     "log_metrics",
     "maybe_step_scheduler",
     "move_optimizer_state_",
+    "no_sync",
     "optimizer_step",
     "pad_across_processes",
     "profiler_trace_path",
@@ -192,6 +207,7 @@ __all__ = [
     "should_sync",
     "store_config",
     "sync_ctx",
+    "sync_in_backward",
     "unscale_grads_",
     "unwrap_model",
     "window_grad_factor",
