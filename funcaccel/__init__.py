@@ -7,8 +7,15 @@ it into the functions below.
 
 from __future__ import annotations
 
+from funcaccel._process_sync import all_processes
+from funcaccel._process_sync import any_process
+from funcaccel._process_sync import padded_count
+from funcaccel._process_sync import split_between_processes
+from funcaccel._process_sync import wait_for_everyone
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import sync_ctx
+from funcaccel.batch_size import find_executable_batch_size
+from funcaccel.batch_size import is_out_of_memory
 from funcaccel.checkpoint import CheckpointMeta
 from funcaccel.checkpoint import LoadedState
 from funcaccel.checkpoint import latest_checkpoint
@@ -54,6 +61,7 @@ from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.mixed_precision import autocast_dtype
 from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.mixed_precision import clip_grad_norm_
+from funcaccel.mixed_precision import clip_grad_value_
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
 from funcaccel.mixed_precision import unscale_grads_
@@ -61,11 +69,16 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
+from funcaccel.process import get_logger
+from funcaccel.process import local_main_process_first
+from funcaccel.process import main_process_first
+from funcaccel.process import print_main
 from funcaccel.profiler import build_profiler
 from funcaccel.profiler import profiler_trace_path
 from funcaccel.progress import progress
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
+from funcaccel.seeding import set_seed
 from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
@@ -118,6 +131,8 @@ __all__ = [
     "Tracker",
     "accumulate_step",
     "advance_grad_state",
+    "all_processes",
+    "any_process",
     "autocast_ctx",
     "autocast_dtype",
     "broadcast",
@@ -126,22 +141,30 @@ __all__ = [
     "build_grad_scaler",
     "build_profiler",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "close_context",
     "context_from_env",
     "env_report",
+    "find_executable_batch_size",
     "finish_trackers",
     "gather",
     "gather_for_metrics",
     "gather_object",
+    "get_logger",
+    "is_out_of_memory",
     "iter_batches",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "local_main_process_first",
     "log_metrics",
+    "main_process_first",
     "maybe_step_scheduler",
     "move_optimizer_state_",
     "optimizer_step",
     "pad_across_processes",
+    "padded_count",
+    "print_main",
     "profiler_trace_path",
     "progress",
     "read_checkpoint_meta",
@@ -150,15 +173,18 @@ __all__ = [
     "save_checkpoint",
     "scheduler_steps_due",
     "send_to_device",
+    "set_seed",
     "shard_batch_sampler",
     "shard_iterable_dataset",
     "shard_loader",
     "should_skip_grad_sync",
     "should_sync",
+    "split_between_processes",
     "store_config",
     "sync_ctx",
     "unscale_grads_",
     "unwrap_model",
+    "wait_for_everyone",
     "window_grad_factor",
     "wrap_model",
 ]
