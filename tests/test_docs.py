@@ -40,6 +40,7 @@ PAGES: Final = (
     "profiler.md",
     "tracking.md",
     "checkpoint.md",
+    "toolkit.md",
     "migration.md",
 )
 NOT_RUN: Final = "# not run"
