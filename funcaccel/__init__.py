@@ -17,15 +17,22 @@ from typing import Final
 from funcaccel._version import __version__ as __version__
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import sync_ctx
+from funcaccel.batch_size import find_executable_batch_size
+from funcaccel.batch_size import is_out_of_memory
 from funcaccel.collectives import BatchInfo
 from funcaccel.collectives import Reduction
+from funcaccel.collectives import all_processes
+from funcaccel.collectives import any_process
 from funcaccel.collectives import broadcast
 from funcaccel.collectives import broadcast_object
 from funcaccel.collectives import gather
 from funcaccel.collectives import gather_for_metrics
 from funcaccel.collectives import gather_object
 from funcaccel.collectives import pad_across_processes
+from funcaccel.collectives import padded_count
 from funcaccel.collectives import reduce
+from funcaccel.collectives import split_between_processes
+from funcaccel.collectives import wait_for_everyone
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.context import build_context
@@ -60,6 +67,7 @@ from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.mixed_precision import autocast_dtype
 from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.mixed_precision import clip_grad_norm_
+from funcaccel.mixed_precision import clip_grad_value_
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
 from funcaccel.mixed_precision import unscale_grads_
@@ -67,9 +75,14 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
+from funcaccel.process import get_logger
+from funcaccel.process import local_main_process_first
+from funcaccel.process import main_process_first
+from funcaccel.process import print_main
 from funcaccel.progress import progress
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
+from funcaccel.seeding import set_seed
 from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
@@ -163,6 +176,8 @@ __all__ = [
     "Tracker",
     "accumulate_step",
     "advance_grad_state",
+    "all_processes",
+    "any_process",
     "autocast_ctx",
     "autocast_dtype",
     "average_parameters_",
@@ -172,13 +187,17 @@ __all__ = [
     "build_grad_scaler",
     "build_profiler",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "close_context",
     "context_from_env",
     "env_report",
+    "find_executable_batch_size",
     "finish_trackers",
     "gather",
     "gather_for_metrics",
     "gather_object",
+    "get_logger",
+    "is_out_of_memory",
     "iter_batches",
     "join_uneven_inputs",
     "latest_checkpoint",
@@ -186,12 +205,16 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "local_sgd_step",
+    "local_main_process_first",
     "log_metrics",
+    "main_process_first",
     "maybe_step_scheduler",
     "move_optimizer_state_",
     "no_sync",
     "optimizer_step",
     "pad_across_processes",
+    "padded_count",
+    "print_main",
     "profiler_trace_path",
     "progress",
     "read_checkpoint_meta",
@@ -200,16 +223,19 @@ __all__ = [
     "save_checkpoint",
     "scheduler_steps_due",
     "send_to_device",
+    "set_seed",
     "shard_batch_sampler",
     "shard_iterable_dataset",
     "shard_loader",
     "should_skip_grad_sync",
     "should_sync",
+    "split_between_processes",
     "store_config",
     "sync_ctx",
     "sync_in_backward",
     "unscale_grads_",
     "unwrap_model",
+    "wait_for_everyone",
     "window_grad_factor",
     "wrap_model",
 ]

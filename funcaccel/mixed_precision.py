@@ -5,7 +5,8 @@
 the ``torch.amp.GradScaler`` fp16 needs (``None`` otherwise). The helpers below do
 the scaler's part of an optimizer step, each on one optimizer or a sequence of them:
 ``unscale_grads_`` (once per step, however often it is called), ``clip_grad_norm_``
-(unscales first) and ``optimizer_step`` (tells whether the scaler skipped the step).
+and ``clip_grad_value_`` (both unscale first) and ``optimizer_step`` (tells whether
+the scaler skipped the step).
 
 >>> ctx = DistributedContext(mixed_precision="bf16")
 >>> with autocast_ctx(ctx):
@@ -41,6 +42,7 @@ __all__ = [
     "autocast_dtype",
     "build_grad_scaler",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "optimizer_parameters",
     "optimizer_step",
     "rescale_grads_",
@@ -229,6 +231,56 @@ def clip_grad_norm_(
     if is_dtensor(norm):
         norm = norm.full_tensor()
     return norm
+
+
+def clip_grad_value_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    clip_value: float,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+) -> None:
+    """Clamp, in place, every gradient of ``parameters`` to ``[-clip_value, clip_value]``.
+
+    With a scaler the gradients of ``optimizer`` (one or several) are unscaled
+    first, once per step (see ``unscale_grads_``), as in ``clip_grad_norm_``, so
+    ``clip_value`` is in the units of the real gradients. Parameters without a
+    gradient are skipped. Each element is clamped on its own, so sharded (FSDP2
+    ``DTensor``) gradients need no communication.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clamped.
+        clip_value: the largest absolute value allowed (> 0; ``math.inf`` does
+            nothing but the unscaling).
+        scaler: the fp16 grad scaler, if any.
+        optimizer: the optimizer(s) owning ``parameters``; required with a scaler.
+
+    Raises:
+        ValueError: ``clip_value`` not > 0, or a scaler without an optimizer.
+        TypeError: an argument of the wrong type.
+
+    >>> w = torch.nn.Parameter(torch.zeros(3))
+    >>> w.grad = torch.tensor([-3.0, 0.5, 2.0])
+    >>> clip_grad_value_([w], 1.0)
+    >>> w.grad.tolist()
+    [-1.0, 0.5, 1.0]
+    """
+    check_norm("clip_grad_value_", "clip_value", clip_value)
+    if scaler is not None:
+        check_scaler(scaler, "clip_grad_value_")
+        if optimizer is None:
+            msg = (
+                "clip_grad_value_: a scaler was given but optimizer=None; pass the "
+                "optimizer(s) owning the parameters so their gradients are unscaled "
+                "before clipping."
+            )
+            raise ValueError(msg)
+        unscale_grads_(scaler, optimizer)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    # torch's clip_grad_value_ fails on an empty list of gradients (torch 2.13).
+    with_grad = [p for p in params if p.grad is not None]
+    if with_grad:
+        torch.nn.utils.clip_grad_value_(with_grad, float(clip_value))
 
 
 def optimizer_step(

@@ -41,6 +41,7 @@ PAGES: Final = (
     "tracking.md",
     "checkpoint.md",
     "launch.md",
+    "toolkit.md",
     "migration.md",
 )
 NOT_RUN: Final = "# not run"

@@ -2,7 +2,9 @@
 
 ``_ops.py`` holds the public functions; ``_exchange.py`` what ranks agree on before
 moving tensors; ``_pad.py`` the padding arithmetic; ``_primitives.py`` the in-place
-broadcast and communication device that the loader and RNG sync build on.
+broadcast and communication device that the loader and RNG sync build on;
+``_process_sync.py`` barriers, flags agreed across ranks and
+``split_between_processes``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,20 @@ from funcaccel.collectives._ops import reduce
 from funcaccel.collectives._pad import pad_tensor
 from funcaccel.collectives._primitives import broadcast_
 from funcaccel.collectives._primitives import comm_device
+from funcaccel.collectives._process_sync import all_processes
+from funcaccel.collectives._process_sync import any_process
+from funcaccel.collectives._process_sync import exchange_codes
+from funcaccel.collectives._process_sync import padded_count
+from funcaccel.collectives._process_sync import split_between_processes
+from funcaccel.collectives._process_sync import wait_for_everyone
 
 __all__ = [
+    "all_processes",
+    "any_process",
+    "exchange_codes",
+    "padded_count",
+    "split_between_processes",
+    "wait_for_everyone",
     "BatchInfo",
     "broadcast",
     "broadcast_",
