@@ -164,7 +164,7 @@ def test_non_tensor_leaf_is_a_type_error_naming_its_path(
         call(Pair(torch.ones(1), 3))
 
 
-@pytest.mark.parametrize("reduction", ["none", "min", "SUM", "", 3, None])
+@pytest.mark.parametrize("reduction", ["min", "SUM", "", 3, None])
 def test_reduce_rejects_other_reductions(reduction: Any) -> None:
     with pytest.raises(ValueError, match=rf"^reduce: .*got {reduction!r}"):
         reduce(ONE, torch.ones(2), reduction=reduction)
@@ -176,6 +176,8 @@ def test_reduce_mean_of_integers_is_a_type_error(dtype: torch.dtype) -> None:
     with pytest.raises(TypeError, match=rf"^reduce: .*data\['n'\] of dtype {dtype}"):
         reduce(ONE, data, reduction="mean")
     assert_tree_equal(reduce(ONE, data, reduction="sum"), data)
+    assert_tree_equal(reduce(ONE, data), data)  # "sum" by default, as Accelerate
+    assert_tree_equal(reduce(ONE, data, reduction="none"), data)
 
 
 def test_reduce_max_of_complex_is_a_type_error() -> None:
@@ -543,7 +545,9 @@ def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
     run("reduce int max", reduce, torch.tensor([rank, -rank]), reduction="max")
     run("reduce int mean", reduce, torch.tensor([rank]), reduction="mean")
     run("reduce shape mismatch", reduce, torch.ones(1 + rank), reduction="sum")
-    run("reduce none", reduce, torch.ones(1), reduction="none")
+    run("reduce none", reduce, torch.tensor([rank + 1.0]), reduction="none")
+    run("reduce default", reduce, torch.tensor([rank + 1.0]))
+    run("reduce unknown", reduce, torch.ones(1), reduction="min")
     # pad_across_processes
     pad_spec = torch.tensor([[1, 2, 3], [4], [5, 6]][rank])
     run("pad spec", pad_across_processes, pad_spec)
@@ -800,8 +804,12 @@ def test_reduce_integers_and_errors(dist_results: Results) -> None:
     )
     kind, msg = on_every_rank(dist_results, "reduce shape mismatch")
     assert kind == "ValueError" and "rank 1: (2,) torch.float32" in msg
-    kind, msg = on_every_rank(dist_results, "reduce none")
-    assert kind == "ValueError" and "got 'none'" in msg
+    # Accelerate's default and its "none" are the sum: 1 + 2 (+ 3) on every rank.
+    total = float(world * (world + 1) // 2)
+    assert_tree_equal(on_every_rank(dist_results, "reduce none"), torch.tensor([total]))
+    assert_tree_equal(on_every_rank(dist_results, "reduce default"), torch.tensor([total]))
+    kind, msg = on_every_rank(dist_results, "reduce unknown")
+    assert kind == "ValueError" and "got 'min'" in msg
 
 
 @pytest.mark.distributed

@@ -26,6 +26,7 @@ from typing import overload
 import torch
 import torch.distributed as dist
 
+from funcaccel._checks import summary
 from funcaccel._tree import rebuild
 from funcaccel.collectives._exchange import all_gather_objects
 from funcaccel.collectives._exchange import check_agree
@@ -55,8 +56,8 @@ __all__ = [
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Mapping[Any, Any])
-Reduction = Literal["sum", "mean", "max"]
-_REDUCTIONS: Final = ("sum", "mean", "max")
+Reduction = Literal["sum", "mean", "max", "none"]
+_REDUCTIONS: Final = ("sum", "mean", "max", "none")
 
 
 class BatchInfo(Protocol):
@@ -192,15 +193,16 @@ def broadcast_object(ctx: DistributedContext, obj: T, *, from_process: int = 0) 
     return holder[0]
 
 
-def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction) -> T:
+def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction = "sum") -> T:
     """Return the element-wise sum, mean (sum / p) or max over ranks, on every rank.
 
-    New tensors are returned (an equal copy with one process); ``data`` is not
+    ``reduction`` defaults to ``"sum"``, as ``Accelerator.reduce`` does; ``"none"``
+    also gives the sum, as it does in Accelerate. New tensors are returned (an equal copy with one process); ``data`` is not
     modified. With 2 ranks, rank 0 ``[1., 4.]`` and rank 1 ``[3., 2.]`` give sum
     ``[4., 6.]``, mean ``[2., 3.]``, max ``[3., 4.]``.
 
     Raises:
-        ValueError: ``reduction`` is not "sum", "mean" or "max"; on every rank, a
+        ValueError: ``reduction`` is not "sum", "mean", "max" or "none"; on every rank, a
             structure, shape or dtype that differs across ranks.
         TypeError: a leaf is not a tensor, "mean" of an integer or bool tensor, or
             "max" of a complex one.
@@ -208,7 +210,10 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction) -> T:
     """
     require_process_group(ctx, "reduce")
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
-        msg = f"reduce: reduction must be 'sum', 'mean' or 'max'; got {reduction!r}."
+        msg = (
+            f"reduce: reduction must be 'sum', 'mean', 'max' or 'none' (the sum); got "
+            f"{summary(reduction)}."
+        )
         raise ValueError(msg)
     paths, leaves = tensor_leaves(data, "reduce")
     if ctx.num_processes > 1:
