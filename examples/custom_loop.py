@@ -32,9 +32,11 @@ from funcaccel import build_grad_scaler
 from funcaccel import clip_grad_norm_
 from funcaccel import close_context
 from funcaccel import iter_batches
+from funcaccel import print_main
 from funcaccel import optimizer_step
 from funcaccel import reduce
 from funcaccel import rescale_grads_
+from funcaccel import set_seed
 from funcaccel import shard_loader
 from funcaccel import should_sync
 from funcaccel import sync_ctx
@@ -72,7 +74,7 @@ def micro_step(
 
 def train(ctx: DistributedContext, args: argparse.Namespace) -> str:
     """Train as the arguments say; return the result line to print."""
-    torch.manual_seed(0)  # the same data on every rank; DDP also syncs the weights
+    set_seed(ctx, 0)  # the same data on every rank; DDP also syncs the weights
     x = torch.randn(args.samples, 8)
     y = x @ torch.randn(8, 1) * 0.5 + 0.1 * torch.randn(args.samples, 1)
     model = wrap_model(ctx, nn.Linear(8, 1))
@@ -115,8 +117,7 @@ def main() -> None:
         result = train(ctx, args)
     finally:
         close_context(ctx)
-    if ctx.is_main_process:
-        print(result)
+    print_main(ctx, result)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ from funcaccel import accumulate_step
 from funcaccel import build_context
 from funcaccel import close_context
 from funcaccel import iter_batches
+from funcaccel import print_main
 from funcaccel import reduce
+from funcaccel import set_seed
 from funcaccel import shard_loader
 from funcaccel import wrap_model
 
@@ -62,7 +64,7 @@ def local_numel(model: nn.Module) -> int:
 
 def train(ctx: DistributedContext, args: argparse.Namespace) -> str:
     """Train as the arguments say; return the result line to print."""
-    torch.manual_seed(0)  # the same data and initial weights on every rank
+    set_seed(ctx, 0)  # the same data and initial weights on every rank
     x = torch.randn(args.samples, 8)
     y = torch.sin(x.sum(dim=1, keepdim=True))
     net = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 1))
@@ -105,8 +107,7 @@ def main() -> None:
         result = train(ctx, args)
     finally:
         close_context(ctx)
-    if ctx.is_main_process:
-        print(result)
+    print_main(ctx, result)
 
 
 if __name__ == "__main__":

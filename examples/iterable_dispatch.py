@@ -31,6 +31,8 @@ from funcaccel import build_context
 from funcaccel import close_context
 from funcaccel import gather_for_metrics
 from funcaccel import iter_batches
+from funcaccel import print_main
+from funcaccel import set_seed
 from funcaccel import shard_loader
 from funcaccel import wrap_model
 
@@ -76,7 +78,7 @@ def evaluate(
 
 def train(ctx: DistributedContext, args: argparse.Namespace) -> str:
     """Train as the arguments say; return the result line to print."""
-    torch.manual_seed(0)  # the same initial weights everywhere; DDP syncs them too
+    set_seed(ctx, 0)  # the same initial weights everywhere; DDP syncs them too
     model = wrap_model(ctx, nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     data = DataLoader(Stream(args.samples), batch_size=args.batch_size)
@@ -112,8 +114,7 @@ def main() -> None:
         result = train(ctx, args)
     finally:
         close_context(ctx)
-    if ctx.is_main_process:
-        print(result)
+    print_main(ctx, result)
 
 
 if __name__ == "__main__":

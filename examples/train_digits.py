@@ -60,8 +60,8 @@ def digits_split(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-def build_net(seed: int) -> nn.Module:
-    torch.manual_seed(seed)  # the same initial weights on every rank
+def build_net(ctx: fa.DistributedContext, seed: int) -> nn.Module:
+    fa.set_seed(ctx, seed)  # the same initial weights on every rank
     return nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10)
     )
@@ -147,7 +147,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     test_loader = fa.shard_loader(ctx, DataLoader(test_set, batch_size=64))
-    model = fa.wrap_model(ctx, build_net(args.seed))
+    model = fa.wrap_model(ctx, build_net(ctx, args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps_per_epoch = -(-len(loader) // args.accumulation_steps)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -165,8 +165,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
             )
             grad = loaded.grad or grad
             start = loaded.loader or start
-            if ctx.is_main_process:
-                print(f"resumed from {latest.name} at {start}")
+            fa.print_main(ctx, f"resumed from {latest.name} at {start}")
 
     trackers = make_trackers(ctx, args.log_dir)
     fa.store_config(ctx, trackers, {k: str(v) for k, v in vars(args).items()})
@@ -205,18 +204,16 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
                     keep_last=2,
                 )
             if stopping:
-                if ctx.is_main_process:
-                    print(f"stopped after {step} optimizer steps")
+                fa.print_main(ctx, f"stopped after {step} optimizer steps")
                 return
     accuracy = evaluate(ctx, model, test_loader)
     fa.log_metrics(
         ctx, trackers, {"test_accuracy": accuracy}, step=grad.optimizer_steps
     )
     fa.finish_trackers(ctx, trackers)
-    if ctx.is_main_process:
-        print(f"optimizer_steps: {grad.optimizer_steps}")
-        print(f"test_accuracy: {accuracy:.4f}")
-        print(f"param_sha256: {param_digest(model)}")
+    fa.print_main(ctx, f"optimizer_steps: {grad.optimizer_steps}")
+    fa.print_main(ctx, f"test_accuracy: {accuracy:.4f}")
+    fa.print_main(ctx, f"param_sha256: {param_digest(model)}")
 
 
 if __name__ == "__main__":

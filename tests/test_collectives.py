@@ -805,9 +805,9 @@ def test_reduce_integers_and_errors(dist_results: Results) -> None:
     kind, msg = on_every_rank(dist_results, "reduce shape mismatch")
     assert kind == "ValueError" and "rank 1: (2,) torch.float32" in msg
     # Accelerate's default and its "none" are the sum: 1 + 2 (+ 3) on every rank.
-    total = float(world * (world + 1) // 2)
-    assert_tree_equal(on_every_rank(dist_results, "reduce none"), torch.tensor([total]))
-    assert_tree_equal(on_every_rank(dist_results, "reduce default"), torch.tensor([total]))
+    summed = float(world * (world + 1) // 2)
+    assert_tree_equal(on_every_rank(dist_results, "reduce none"), torch.tensor([summed]))
+    assert_tree_equal(on_every_rank(dist_results, "reduce default"), torch.tensor([summed]))
     kind, msg = on_every_rank(dist_results, "reduce unknown")
     assert kind == "ValueError" and "got 'min'" in msg
 
