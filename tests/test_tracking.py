@@ -466,7 +466,7 @@ def test_tensorboard_tracker_names_the_extra_when_missing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install funcaccel\[tensorboard\]"):
+    with pytest.raises(ImportError, match=r"pip install 'funcaccel\[tensorboard\]'"):
         TensorBoardTracker(tmp_path)
 
 

@@ -7,6 +7,7 @@ backend (``_memory.py``, ``_files.py``, ``_tensorboard.py``, ``_mlflow.py``).
 
 from __future__ import annotations
 
+from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._files import CSVTracker
 from funcaccel.tracking._files import JSONLTracker
 from funcaccel.tracking._gating import Tracker
@@ -37,4 +38,5 @@ __all__ = [
     "store_config",
     "TensorBoardTracker",
     "Tracker",
+    "TrackerBase",
 ]
