@@ -80,9 +80,11 @@ from funcaccel.tracking import MetricValue
 from funcaccel.tracking import MLflowTracker
 from funcaccel.tracking import TensorBoardTracker
 from funcaccel.tracking import Tracker
+from funcaccel.tracking import WandbTracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import store_config
+from funcaccel.tracking import trackers_from_names
 
 __all__ = [
     "AutocastKwargs",
@@ -115,6 +117,7 @@ __all__ = [
     "ShardedLoader",
     "TensorBoardTracker",
     "Tracker",
+    "WandbTracker",
     "accumulate_step",
     "advance_grad_state",
     "autocast_ctx",
@@ -156,6 +159,7 @@ __all__ = [
     "should_sync",
     "store_config",
     "sync_ctx",
+    "trackers_from_names",
     "unscale_grads_",
     "unwrap_model",
     "window_grad_factor",
