@@ -13,10 +13,10 @@ from typing import NamedTuple
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
+from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import tracker_path
 from funcaccel.tracking._files import CSVTracker
 from funcaccel.tracking._files import JSONLTracker
-from funcaccel.tracking._gating import Tracker
 from funcaccel.tracking._mlflow import MLflowTracker
 from funcaccel.tracking._tensorboard import TensorBoardTracker
 from funcaccel.tracking._wandb import WandbTracker
@@ -26,7 +26,7 @@ __all__ = ["trackers_from_names"]
 
 class _Entry(NamedTuple):
     package: str | None  # the optional package it needs (also the pip extra)
-    build: Callable[[Path, str], Tracker]  # (project_dir, project_name) -> tracker
+    build: Callable[[Path, str], TrackerBase]  # (project_dir, project_name) -> tracker
 
 
 _TRACKERS: Final[dict[str, _Entry]] = {
@@ -94,7 +94,7 @@ def trackers_from_names(
     project_dir: str | os.PathLike[str],
     *,
     project_name: str = "funcaccel",
-) -> list[Tracker]:
+) -> list[TrackerBase]:
     """Build the built-in trackers named, each writing under ``project_dir``.
 
     The names are those of Accelerate's ``log_with``: ``"jsonl"``
