@@ -110,9 +110,11 @@ if TYPE_CHECKING:
     from funcaccel.tracking import MLflowTracker
     from funcaccel.tracking import TensorBoardTracker
     from funcaccel.tracking import Tracker
+    from funcaccel.tracking import WandbTracker
     from funcaccel.tracking import finish_trackers
     from funcaccel.tracking import log_metrics
     from funcaccel.tracking import store_config
+    from funcaccel.tracking import trackers_from_names
 
 _LAZY: Final = MappingProxyType(
     {
@@ -134,6 +136,8 @@ _LAZY: Final = MappingProxyType(
         "MetricValue": "funcaccel.tracking",
         "MLflowTracker": "funcaccel.tracking",
         "TensorBoardTracker": "funcaccel.tracking",
+        "WandbTracker": "funcaccel.tracking",
+        "trackers_from_names": "funcaccel.tracking",
         "Tracker": "funcaccel.tracking",
         "finish_trackers": "funcaccel.tracking",
         "log_metrics": "funcaccel.tracking",
@@ -174,6 +178,7 @@ __all__ = [
     "ShardedLoader",
     "TensorBoardTracker",
     "Tracker",
+    "WandbTracker",
     "accumulate_step",
     "advance_grad_state",
     "all_processes",
@@ -204,8 +209,8 @@ __all__ = [
     "launch",
     "list_checkpoints",
     "load_checkpoint",
-    "local_sgd_step",
     "local_main_process_first",
+    "local_sgd_step",
     "log_metrics",
     "main_process_first",
     "maybe_step_scheduler",
@@ -233,6 +238,7 @@ __all__ = [
     "store_config",
     "sync_ctx",
     "sync_in_backward",
+    "trackers_from_names",
     "unscale_grads_",
     "unwrap_model",
     "wait_for_everyone",

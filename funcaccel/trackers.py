@@ -11,5 +11,12 @@ from funcaccel.tracking import CSVTracker
 from funcaccel.tracking import JSONLTracker
 from funcaccel.tracking import MLflowTracker
 from funcaccel.tracking import TensorBoardTracker
+from funcaccel.tracking import WandbTracker
 
-__all__ = ["CSVTracker", "JSONLTracker", "MLflowTracker", "TensorBoardTracker"]
+__all__ = [
+    "CSVTracker",
+    "JSONLTracker",
+    "MLflowTracker",
+    "TensorBoardTracker",
+    "WandbTracker",
+]

@@ -22,14 +22,18 @@ from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.trackers import CSVTracker
 from funcaccel.trackers import JSONLTracker
+from funcaccel.trackers import MLflowTracker
 from funcaccel.trackers import TensorBoardTracker
+from funcaccel.trackers import WandbTracker
 from funcaccel.tracking import InMemoryTracker
 from funcaccel.tracking import Tracker
+from funcaccel.tracking import TrackerBase
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 from funcaccel.tracking import store_config
+from funcaccel.tracking import trackers_from_names
 from tests._dist import run_ranks
 
 SINGLE = DistributedContext()
@@ -334,7 +338,8 @@ def test_importing_the_trackers_loads_no_optional_backend() -> None:
     code = (
         "import sys, funcaccel.trackers, funcaccel.tracking\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('tensorboard', 'mlflow') or m.startswith('torch.utils.tensorboard')))"
+        "('tensorboard', 'mlflow', 'wandb') "
+        "or m.startswith('torch.utils.tensorboard')))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -466,7 +471,7 @@ def test_tensorboard_tracker_names_the_extra_when_missing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install funcaccel\[tensorboard\]"):
+    with pytest.raises(ImportError, match=r"pip install 'funcaccel\[tensorboard\]'"):
         TensorBoardTracker(tmp_path)
 
 
@@ -514,3 +519,168 @@ def test_tensorboard_tracker_names_an_unwritable_logdir(tmp_path: Path) -> None:
         match=r"TensorBoardTracker: cannot create the event file in '.*file/run'",
     ):
         tracker.log({"loss": 1.0})
+
+
+# ---------------------------------------------------------------- TrackerBase
+
+
+class _ListTracker(TrackerBase):
+    """A tracker of one's own: only the writing, the base does the checks."""
+
+    def __init__(self, *, main_process_only: bool = True) -> None:
+        super().__init__(name="list", main_process_only=main_process_only)
+        self.rows: list[tuple[str, object, object]] = []
+
+    def _write_metrics(
+        self, values: dict[str, bool | int | float | str], step: int | None
+    ) -> None:
+        self.rows.append(("log", values, step))
+
+    def _write_config(self, values: dict[str, Any]) -> None:
+        self.rows.append(("config", values, None))
+
+    def _close(self) -> None:
+        self.rows.append(("close", None, None))
+
+
+def test_tracker_base_checks_before_the_backend_writes() -> None:
+    tracker = _ListTracker(main_process_only=False)
+    assert isinstance(tracker, Tracker)
+    assert (tracker.name, tracker.main_process_only, tracker.finished) == (
+        "list",
+        False,
+        False,
+    )
+    log_metrics(_rank(1), [tracker], {"loss": _any(torch.tensor(0.5))}, step=2)
+    store_config(SINGLE, [tracker], {"lr": np.float64(0.1), "sched": None})
+    with pytest.raises(ValueError, match=r"_ListTracker.log: step must be >= 0"):
+        tracker.log({"loss": 1.0}, step=-1)
+    with pytest.raises(TypeError, match=r"_ListTracker.log: value 'loss' is \[1\]"):
+        tracker.log({"loss": [1]})
+    with pytest.raises(
+        TypeError,
+        match=r"_ListTracker.store_init_configuration: configuration value 'b'",
+    ):
+        tracker.store_init_configuration({"b": (1, 2)})
+    finish_trackers(SINGLE, [tracker])
+    tracker.finish()  # closed once
+    with pytest.raises(ValueError, match=r"_ListTracker.log: the tracker was finished"):
+        tracker.log({"loss": 1.0})
+    with pytest.raises(
+        ValueError,
+        match=r"_ListTracker.store_init_configuration: the tracker was finished",
+    ):
+        tracker.store_init_configuration({"lr": 0.1})
+    assert tracker.finished
+    assert tracker.rows == [
+        ("log", {"loss": 0.5}, 2),
+        ("config", {"lr": 0.1, "sched": None}, None),
+        ("close", None, None),
+    ]
+
+
+def test_tracker_base_rejects_a_bad_name_or_flag() -> None:
+    with pytest.raises(TypeError, match=r"_ListTracker: main_process_only must be"):
+        _ListTracker(main_process_only=_any("yes"))
+    with pytest.raises(TypeError, match=r"InMemoryTracker: name must be a str; got 3"):
+        InMemoryTracker(name=_any(3))
+    with pytest.raises(ValueError, match=r"JSONLTracker: path must not be empty"):
+        JSONLTracker("")
+
+
+# ---------------------------------------------------------------- by name
+
+
+def _installed(*packages: str) -> None:
+    for package in packages:
+        pytest.importorskip(package)
+
+
+def test_trackers_from_names_builds_each_under_project_dir(tmp_path: Path) -> None:
+    _installed("tensorboard", "mlflow", "wandb")
+    names = ["wandb", "jsonl", "csv", "tensorboard", "mlflow"]
+    trackers = trackers_from_names(SINGLE, names, tmp_path / "exp", project_name="e1")
+    assert [t.name for t in trackers] == names
+    wandb, jsonl, csv_, tensorboard, mlflow = trackers
+    assert isinstance(wandb, WandbTracker)
+    assert (wandb.dir, wandb.project) == (tmp_path / "exp", "e1")
+    assert isinstance(jsonl, JSONLTracker)
+    assert jsonl.path == tmp_path / "exp" / "metrics.jsonl"
+    assert isinstance(csv_, CSVTracker)
+    assert csv_.path == tmp_path / "exp" / "metrics.csv"
+    assert isinstance(tensorboard, TensorBoardTracker)
+    assert tensorboard.logdir == tmp_path / "exp" / "tensorboard"
+    assert isinstance(mlflow, MLflowTracker)
+    assert mlflow.tracking_uri == f"sqlite:///{tmp_path}/exp/mlflow.db"
+    assert mlflow.experiment_name == "e1"
+    assert all(t.main_process_only for t in trackers)
+    assert list(tmp_path.iterdir()) == []  # nothing before the first gated call
+
+
+def test_trackers_from_names_writes_what_it_built(tmp_path: Path) -> None:
+    trackers = trackers_from_names(SINGLE, "jsonl", tmp_path)
+    log_metrics(SINGLE, trackers, {"loss": 0.5}, step=1)
+    finish_trackers(SINGLE, trackers)
+    assert [(r["step"], r["loss"]) for r in _jsonl(tmp_path / "metrics.jsonl")] == [
+        (1, 0.5)
+    ]
+
+
+def test_trackers_from_names_all_is_every_installed_tracker(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _installed("tensorboard", "mlflow", "wandb")
+    everything = ["jsonl", "csv", "tensorboard", "mlflow", "wandb"]
+    assert [t.name for t in trackers_from_names(SINGLE, "all", tmp_path)] == everything
+    assert [
+        t.name for t in trackers_from_names(SINGLE, ["csv", "all"], tmp_path)
+    ] == everything
+    for package in ("tensorboard", "wandb"):
+        monkeypatch.setitem(sys.modules, package, None)
+    built = trackers_from_names(_rank(1), ("all",), tmp_path)
+    assert [t.name for t in built] == ["jsonl", "csv", "mlflow"]
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "mlflow", "wandb"])
+def test_trackers_from_names_names_the_extra_of_a_missing_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(
+        ImportError,
+        match=rf"trackers_from_names: tracker '{name}' needs the {name} package, "
+        rf"which is not installed; install it with `pip install 'funcaccel\[{name}\]'`",
+    ):
+        trackers_from_names(SINGLE, ["jsonl", name], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("names", "error", "match"),
+    [
+        (
+            "neptune",
+            ValueError,
+            r"unknown tracker name 'neptune'; the names are \['jsonl', 'csv', "
+            r"'tensorboard', 'mlflow', 'wandb', 'all'\]",
+        ),
+        (["jsonl", "jsonl"], ValueError, r"'jsonl' is named twice"),
+        (["jsonl", 3], TypeError, r"names_or_all\[1\] is 3 \(int\)"),
+        (3, TypeError, r"names_or_all must be a tracker name or a list .* got 3"),
+        (b"jsonl", TypeError, r"names_or_all must be .* got b'jsonl' \(bytes\)"),
+    ],
+)
+def test_trackers_from_names_rejects_bad_names(
+    tmp_path: Path, names: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=rf"trackers_from_names: {match}"):
+        trackers_from_names(SINGLE, _any(names), tmp_path)
+
+
+def test_trackers_from_names_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"ctx must be a DistributedContext; got 0"):
+        trackers_from_names(_any(0), "jsonl", tmp_path)
+    with pytest.raises(TypeError, match=r"project_dir must be a str or os.PathLike"):
+        trackers_from_names(SINGLE, "jsonl", _any(None))
+    with pytest.raises(ValueError, match=r"project_name must be a non-empty str"):
+        trackers_from_names(SINGLE, "jsonl", tmp_path, project_name="")
+    assert trackers_from_names(SINGLE, [], tmp_path) == []

@@ -2,11 +2,14 @@
 
 ``_gating.py`` holds the ``Tracker`` protocol and the gated calls; ``_values.py`` the
 values trackers accept; ``_base.py`` what every built-in tracker shares; one file per
-backend (``_memory.py``, ``_files.py``, ``_tensorboard.py``, ``_mlflow.py``).
+backend (``_memory.py``, ``_files.py``, ``_tensorboard.py``, ``_mlflow.py``,
+``_wandb.py``); ``_by_name.py`` builds them from names, as Accelerate's ``log_with``.
 """
 
 from __future__ import annotations
 
+from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._by_name import trackers_from_names
 from funcaccel.tracking._files import CSVTracker
 from funcaccel.tracking._files import JSONLTracker
 from funcaccel.tracking._gating import Tracker
@@ -21,6 +24,7 @@ from funcaccel.tracking._values import ConfigValue
 from funcaccel.tracking._values import MetricValue
 from funcaccel.tracking._values import normalize_config
 from funcaccel.tracking._values import normalize_metrics
+from funcaccel.tracking._wandb import WandbTracker
 
 __all__ = [
     "ConfigValue",
@@ -37,4 +41,7 @@ __all__ = [
     "store_config",
     "TensorBoardTracker",
     "Tracker",
+    "TrackerBase",
+    "trackers_from_names",
+    "WandbTracker",
 ]

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import IO
 from typing import Final
 
-from funcaccel._checks import check_bool
-from funcaccel.tracking._values import check_open
-from funcaccel.tracking._values import check_step
-from funcaccel.tracking._values import normalize_config
-from funcaccel.tracking._values import normalize_metrics
+from funcaccel.tracking._base import PlainMetrics
+from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import tracker_path
+from funcaccel.tracking._values import ConfigValue
 
 __all__ = [
     "CSVTracker",
@@ -35,16 +34,6 @@ __all__ = [
 
 Clock = Callable[[], float]
 _TIME_KEYS: Final = ("step", "time")
-
-
-def _check_path(owner: str, path: object) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        msg = (
-            f"{owner}: path must be a str or os.PathLike; got {path!r} "
-            f"({type(path).__name__})."
-        )
-        raise TypeError(msg)
-    return Path(path)
 
 
 def _check_clock(owner: str, clock: object) -> Clock:
@@ -69,7 +58,7 @@ def _open_append(owner: str, path: Path) -> IO[str]:
         raise OSError(msg) from error
 
 
-class JSONLTracker:
+class JSONLTracker(TrackerBase):
     """Append one JSON object per line to ``path``.
 
     ``log(values, step)`` writes ``{"step": step, "time": <wall time>, **values}``;
@@ -85,9 +74,7 @@ class JSONLTracker:
         clock: the wall-time source for ``"time"``; ``time.time`` by default.
     """
 
-    __slots__ = ("_clock", "_file", "_finished", "_main_process_only", "_path")
-
-    name: Final = "jsonl"
+    __slots__ = ("_clock", "_file", "_path")
 
     def __init__(
         self,
@@ -96,22 +83,15 @@ class JSONLTracker:
         main_process_only: bool = True,
         clock: Clock = time.time,
     ) -> None:
-        self._path = _check_path("JSONLTracker", path)
-        check_bool("JSONLTracker", "main_process_only", main_process_only)
-        self._main_process_only = main_process_only
+        self._path = tracker_path("JSONLTracker", "path", path)
+        super().__init__(name="jsonl", main_process_only=main_process_only)
         self._clock = _check_clock("JSONLTracker", clock)
         self._file: IO[str] | None = None
-        self._finished = False
 
     @property
     def path(self) -> Path:
         """The file written."""
         return self._path
-
-    @property
-    def main_process_only(self) -> bool:
-        """Whether only the main process calls this tracker."""
-        return self._main_process_only
 
     def _write(self, record: Mapping[str, object]) -> None:
         line = json.dumps(record) + "\n"
@@ -120,36 +100,29 @@ class JSONLTracker:
         self._file.write(line)
         self._file.flush()
 
-    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+    def _write_metrics(self, values: PlainMetrics, step: int | None) -> None:
         """Append ``{"step": step, "time": now, **values}`` as one line."""
-        check_open("JSONLTracker", "log", self._finished)
-        check_step("JSONLTracker.log", step)
-        plain = normalize_metrics(values, caller="JSONLTracker.log")
         for reserved in (*_TIME_KEYS, "config"):
-            if reserved in plain:
+            if reserved in values:
                 msg = (
                     f"JSONLTracker.log: {reserved!r} is a reserved key of each record; "
-                    f"got values with keys {sorted(plain)}; rename that metric."
+                    f"got values with keys {sorted(values)}; rename that metric."
                 )
                 raise ValueError(msg)
-        self._write({"step": step, "time": self._clock(), **plain})
+        self._write({"step": step, "time": self._clock(), **values})
 
-    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+    def _write_config(self, values: dict[str, ConfigValue]) -> None:
         """Append ``{"config": values, "time": now}`` as one line."""
-        owner = "JSONLTracker.store_init_configuration"
-        check_open("JSONLTracker", "store_init_configuration", self._finished)
-        config = normalize_config(values, caller=owner)
-        self._write({"config": config, "time": self._clock()})
+        self._write({"config": values, "time": self._clock()})
 
-    def finish(self) -> None:
+    def _close(self) -> None:
         """Flush and close the file (if it was ever opened)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        self._finished = True
 
 
-class CSVTracker:
+class CSVTracker(TrackerBase):
     """Append one CSV row per ``log`` to ``path``; columns are fixed once.
 
     The columns are ``step``, ``time`` and the metric names of the first ``log``, in
@@ -169,17 +142,7 @@ class CSVTracker:
         clock: the wall-time source for ``time``; ``time.time`` by default.
     """
 
-    __slots__ = (
-        "_clock",
-        "_columns",
-        "_file",
-        "_finished",
-        "_main_process_only",
-        "_path",
-        "_writer",
-    )
-
-    name: Final = "csv"
+    __slots__ = ("_clock", "_columns", "_file", "_path", "_writer")
 
     def __init__(
         self,
@@ -188,14 +151,12 @@ class CSVTracker:
         main_process_only: bool = True,
         clock: Clock = time.time,
     ) -> None:
-        self._path = _check_path("CSVTracker", path)
-        check_bool("CSVTracker", "main_process_only", main_process_only)
-        self._main_process_only = main_process_only
+        self._path = tracker_path("CSVTracker", "path", path)
+        super().__init__(name="csv", main_process_only=main_process_only)
         self._clock = _check_clock("CSVTracker", clock)
         self._columns: tuple[str, ...] | None = None
         self._file: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None
-        self._finished = False
 
     @property
     def path(self) -> Path:
@@ -206,11 +167,6 @@ class CSVTracker:
     def config_path(self) -> Path:
         """The JSON file ``store_init_configuration`` writes."""
         return self._path.with_suffix(".config.json")
-
-    @property
-    def main_process_only(self) -> bool:
-        """Whether only the main process calls this tracker."""
-        return self._main_process_only
 
     @property
     def columns(self) -> tuple[str, ...] | None:
@@ -240,19 +196,16 @@ class CSVTracker:
             raise ValueError(msg)
         return tuple(header)
 
-    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+    def _write_metrics(self, values: PlainMetrics, step: int | None) -> None:
         """Append one row: ``step``, the wall time and ``values`` by column."""
-        check_open("CSVTracker", "log", self._finished)
-        check_step("CSVTracker.log", step)
-        plain = normalize_metrics(values, caller="CSVTracker.log")
         columns = self._columns
         write_header = False
         if columns is None:
             existing = self._existing_header()
             write_header = existing is None
-            columns = (*_TIME_KEYS, *plain) if existing is None else existing
-        clash = [key for key in plain if key in _TIME_KEYS]
-        unknown = [key for key in plain if key not in columns]
+            columns = (*_TIME_KEYS, *values) if existing is None else existing
+        clash = [key for key in values if key in _TIME_KEYS]
+        unknown = [key for key in values if key not in columns]
         if clash or unknown:
             msg = (
                 f"CSVTracker.log: metric {(clash or unknown)[0]!r} has no column of "
@@ -267,7 +220,7 @@ class CSVTracker:
                 self._writer.writeheader()
             self._columns = columns
         assert self._file is not None
-        self._writer.writerow({"step": step, "time": self._clock(), **plain})
+        self._writer.writerow({"step": step, "time": self._clock(), **values})
         self._file.flush()
 
     @staticmethod
@@ -294,16 +247,14 @@ class CSVTracker:
             raise ValueError(msg)
         return stored
 
-    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+    def _write_config(self, values: dict[str, ConfigValue]) -> None:
         """Merge ``values`` into the JSON object at ``config_path``."""
         owner = "CSVTracker.store_init_configuration"
-        check_open("CSVTracker", "store_init_configuration", self._finished)
-        config = normalize_config(values, caller=owner)
         target = self.config_path
         merged = self._stored_config(owner, target)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            merged.update(config)
+            merged.update(values)
             partial = target.with_name(target.name + ".partial")
             partial.write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
             os.replace(partial, target)
@@ -314,10 +265,9 @@ class CSVTracker:
             )
             raise OSError(msg) from error
 
-    def finish(self) -> None:
+    def _close(self) -> None:
         """Flush and close the CSV file (if it was ever opened)."""
         if self._file is not None:
             self._file.close()
             self._file = None
             self._writer = None
-        self._finished = True

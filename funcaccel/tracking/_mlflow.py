@@ -9,33 +9,25 @@ process.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import time
 from collections.abc import Iterator
-from collections.abc import Mapping
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Final
 
-from funcaccel._checks import check_bool
-from funcaccel.tracking._values import check_open
-from funcaccel.tracking._values import check_step
-from funcaccel.tracking._values import normalize_config
-from funcaccel.tracking._values import normalize_metrics
+from funcaccel.tracking._base import PlainMetrics
+from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import require_package
+from funcaccel.tracking._values import ConfigValue
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
 __all__ = ["MLflowTracker"]
-
-_INSTALL_HINT: Final = (
-    "the mlflow package is not installed; install it with "
-    "`pip install 'funcaccel[mlflow]'` (or `pip install mlflow`)."
-)
 
 # A scheme of two or more characters ("sqlite:", "http:", "databricks:"), so that a
 # Windows drive letter ("C:\\runs\\mlflow.db") reads as a path.
@@ -136,7 +128,7 @@ def _experiment_id(
     return experiment.experiment_id
 
 
-class MLflowTracker:
+class MLflowTracker(TrackerBase):
     """Record metrics, tags and params in an MLflow run, through ``MlflowClient``.
 
     ``tracking_uri`` is either a path or a URI. A path (``"runs/mlflow.db"``, the
@@ -177,14 +169,10 @@ class MLflowTracker:
         "_client",
         "_database",
         "_experiment_name",
-        "_finished",
-        "_main_process_only",
         "_run_id",
         "_run_name",
         "_tracking_uri",
     )
-
-    name: Final = "mlflow"
 
     def __init__(
         self,
@@ -198,9 +186,8 @@ class MLflowTracker:
         _check_name("MLflowTracker", "experiment_name", experiment_name)
         if run_name is not None:
             _check_name("MLflowTracker", "run_name", run_name)
-        check_bool("MLflowTracker", "main_process_only", main_process_only)
-        if importlib.util.find_spec("mlflow") is None:
-            raise ImportError(f"MLflowTracker: {_INSTALL_HINT}")
+        super().__init__(name="mlflow", main_process_only=main_process_only)
+        require_package("MLflowTracker", "mlflow", "mlflow")
         self._tracking_uri = uri
         self._database = database
         self._artifact_location = (
@@ -208,10 +195,8 @@ class MLflowTracker:
         )
         self._experiment_name = experiment_name
         self._run_name = run_name
-        self._main_process_only = main_process_only
         self._client: MlflowClient | None = None
         self._run_id: str | None = None
-        self._finished = False
 
     @property
     def tracking_uri(self) -> str:
@@ -233,13 +218,7 @@ class MLflowTracker:
         """The MLflow run's id, or ``None`` before the first call."""
         return self._run_id
 
-    @property
-    def main_process_only(self) -> bool:
-        """Whether only the main process calls this tracker."""
-        return self._main_process_only
-
     def _ready_run(self, method: str) -> tuple[MlflowClient, str]:
-        check_open("MLflowTracker", method, self._finished)
         if self._client is not None and self._run_id is not None:
             return self._client, self._run_id
         from mlflow.tracking import MlflowClient
@@ -259,23 +238,23 @@ class MLflowTracker:
         self._client, self._run_id = client, run.info.run_id
         return client, run.info.run_id
 
-    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+    def _write_metrics(self, values: PlainMetrics, step: int | None) -> None:
         """Write numbers as metrics at ``step`` and strings as run tags."""
         from mlflow.entities import Metric
         from mlflow.entities import RunTag
 
-        check_step("MLflowTracker.log", step)
-        plain = normalize_metrics(values, caller="MLflowTracker.log")
         client, run_id = self._ready_run("log")
         millis = int(time.time() * 1000)
         at = 0 if step is None else step
         metrics = [
             Metric(key, float(value), millis, at)
-            for key, value in plain.items()
+            for key, value in values.items()
             if not isinstance(value, str)
         ]
         tags = [
-            RunTag(key, value) for key, value in plain.items() if isinstance(value, str)
+            RunTag(key, value)
+            for key, value in values.items()
+            if isinstance(value, str)
         ]
         with _explained("MLflowTracker.log", f"rename the key ({_NAMES_HINT})"):
             for start in range(0, max(len(metrics), len(tags)), _BATCH):
@@ -286,15 +265,14 @@ class MLflowTracker:
                     synchronous=True,
                 )
 
-    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+    def _write_config(self, values: dict[str, ConfigValue]) -> None:
         """Write ``values`` as the run's params, as strings (``None`` as "None")."""
         from mlflow.entities import Param
 
         owner = "MLflowTracker.store_init_configuration"
-        config = normalize_config(values, caller=owner)
         client, run_id = self._ready_run("store_init_configuration")
         params: Sequence[Param] = [
-            Param(key, str(value)) for key, value in config.items()
+            Param(key, str(value)) for key, value in values.items()
         ]
         hint = (
             "a param cannot change once stored in a run: store each key once, or "
@@ -306,9 +284,8 @@ class MLflowTracker:
                     run_id, params=params[start : start + _BATCH], synchronous=True
                 )
 
-    def finish(self) -> None:
-        """Mark the run ``FINISHED`` (if it was ever created); twice is harmless."""
+    def _close(self) -> None:
+        """Mark the run ``FINISHED`` (if it was ever created)."""
         if self._client is not None and self._run_id is not None:
             self._client.set_terminated(self._run_id)
             self._client = None
-        self._finished = True

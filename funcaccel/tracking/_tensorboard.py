@@ -1,31 +1,22 @@
-"""Trackers backed by optional packages, imported only when first used.
+"""The TensorBoard tracker, which imports tensorboard only when first used.
 
-Only TensorBoard is offered (``pip install funcaccel[tensorboard]``); import it from
-``funcaccel.trackers``.
+Install it with ``pip install 'funcaccel[tensorboard]'``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
 from typing import Protocol
 
-from funcaccel._checks import check_bool
+from funcaccel.tracking._base import PlainMetrics
+from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import require_package
+from funcaccel.tracking._base import tracker_path
 from funcaccel.tracking._values import ConfigValue
-from funcaccel.tracking._values import check_open
-from funcaccel.tracking._values import check_step
-from funcaccel.tracking._values import normalize_config
-from funcaccel.tracking._values import normalize_metrics
 
 __all__ = ["TensorBoardTracker"]
-
-_INSTALL_HINT: Final = (
-    "the tensorboard package is not installed; install it with "
-    "`pip install funcaccel[tensorboard]` (or `pip install tensorboard`)."
-)
 
 
 class _FileWriter(Protocol):
@@ -52,7 +43,11 @@ def _open_writer(logdir: Path) -> _SummaryWriter:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:
-        raise ImportError(f"TensorBoardTracker: {_INSTALL_HINT}") from error
+        msg = (
+            f"TensorBoardTracker: cannot import torch.utils.tensorboard ({error}); "
+            "install tensorboard with `pip install 'funcaccel[tensorboard]'`."
+        )
+        raise ImportError(msg) from error
     try:
         writer: _SummaryWriter = SummaryWriter(log_dir=str(logdir))
     except OSError as error:
@@ -79,7 +74,7 @@ def _write_hparams(writer: _SummaryWriter, config: Mapping[str, ConfigValue]) ->
         file_writer.add_summary(summary)
 
 
-class TensorBoardTracker:
+class TensorBoardTracker(TrackerBase):
     """Write TensorBoard event files with ``torch.utils.tensorboard.SummaryWriter``.
 
     Numbers (and bools, as 0/1) are written with ``add_scalar``, strings with
@@ -97,64 +92,42 @@ class TensorBoardTracker:
             every rank fails early; nothing is imported until the first call).
     """
 
-    __slots__ = ("_finished", "_logdir", "_main_process_only", "_writer")
-
-    name: Final = "tensorboard"
+    __slots__ = ("_logdir", "_writer")
 
     def __init__(
         self, logdir: str | os.PathLike[str], *, main_process_only: bool = True
     ) -> None:
-        if not isinstance(logdir, (str, os.PathLike)):
-            msg = (
-                f"TensorBoardTracker: logdir must be a str or os.PathLike; got "
-                f"{logdir!r} ({type(logdir).__name__})."
-            )
-            raise TypeError(msg)
-        check_bool("TensorBoardTracker", "main_process_only", main_process_only)
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ImportError(f"TensorBoardTracker: {_INSTALL_HINT}")
-        self._logdir = Path(logdir)
-        self._main_process_only = main_process_only
+        self._logdir = tracker_path("TensorBoardTracker", "logdir", logdir)
+        super().__init__(name="tensorboard", main_process_only=main_process_only)
+        require_package("TensorBoardTracker", "tensorboard", "tensorboard")
         self._writer: _SummaryWriter | None = None
-        self._finished = False
 
     @property
     def logdir(self) -> Path:
         """The run directory."""
         return self._logdir
 
-    @property
-    def main_process_only(self) -> bool:
-        """Whether only the main process calls this tracker."""
-        return self._main_process_only
-
-    def _ready_writer(self, method: str) -> _SummaryWriter:
-        check_open("TensorBoardTracker", method, self._finished)
+    def _ready_writer(self) -> _SummaryWriter:
         if self._writer is None:
             self._writer = _open_writer(self._logdir)
         return self._writer
 
-    def log(self, values: Mapping[str, object], step: int | None = None) -> None:
+    def _write_metrics(self, values: PlainMetrics, step: int | None) -> None:
         """Write each value at ``step``: numbers as scalars, strings as text."""
-        check_step("TensorBoardTracker.log", step)
-        plain = normalize_metrics(values, caller="TensorBoardTracker.log")
-        writer = self._ready_writer("log")
-        for key, value in plain.items():
+        writer = self._ready_writer()
+        for key, value in values.items():
             if isinstance(value, str):
                 writer.add_text(key, value, global_step=step)
             else:
                 writer.add_scalar(key, float(value), global_step=step)
 
-    def store_init_configuration(self, values: Mapping[str, object]) -> None:
+    def _write_config(self, values: dict[str, ConfigValue]) -> None:
         """Write ``values`` as the run's HParams record."""
-        owner = "TensorBoardTracker.store_init_configuration"
-        config = normalize_config(values, caller=owner)
-        _write_hparams(self._ready_writer("store_init_configuration"), config)
+        _write_hparams(self._ready_writer(), values)
 
-    def finish(self) -> None:
+    def _close(self) -> None:
         """Flush and close the writer (if it was ever opened)."""
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
             self._writer = None
-        self._finished = True

@@ -1,0 +1,151 @@
+"""``trackers_from_names``: the built-in trackers by name, as Accelerate's ``log_with``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final
+from typing import NamedTuple
+
+from funcaccel._checks import summary
+from funcaccel._checks import type_name
+from funcaccel.context import DistributedContext
+from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import tracker_path
+from funcaccel.tracking._files import CSVTracker
+from funcaccel.tracking._files import JSONLTracker
+from funcaccel.tracking._mlflow import MLflowTracker
+from funcaccel.tracking._tensorboard import TensorBoardTracker
+from funcaccel.tracking._wandb import WandbTracker
+
+__all__ = ["trackers_from_names"]
+
+
+class _Entry(NamedTuple):
+    package: str | None  # the optional package it needs (also the pip extra)
+    build: Callable[[Path, str], TrackerBase]  # (project_dir, project_name) -> tracker
+
+
+_TRACKERS: Final[dict[str, _Entry]] = {
+    "jsonl": _Entry(None, lambda root, _: JSONLTracker(root / "metrics.jsonl")),
+    "csv": _Entry(None, lambda root, _: CSVTracker(root / "metrics.csv")),
+    "tensorboard": _Entry(
+        "tensorboard", lambda root, _: TensorBoardTracker(root / "tensorboard")
+    ),
+    "mlflow": _Entry(
+        "mlflow",
+        lambda root, project: MLflowTracker(
+            root / "mlflow.db", experiment_name=project
+        ),
+    ),
+    "wandb": _Entry("wandb", lambda root, project: WandbTracker(root, project=project)),
+}
+_ALL: Final = "all"
+
+
+def _installed(package: str | None) -> bool:
+    return package is None or importlib.util.find_spec(package) is not None
+
+
+def _names(names_or_all: object) -> list[str]:
+    """Return the names asked for, in order, each once; checked against the table."""
+    valid = f"{[*_TRACKERS, _ALL]}"
+    if isinstance(names_or_all, str):
+        asked: list[object] = [names_or_all]
+    elif isinstance(names_or_all, Iterable) and not isinstance(names_or_all, bytes):
+        asked = list(names_or_all)
+    else:
+        msg = (
+            f"trackers_from_names: names_or_all must be a tracker name or a list of "
+            f"them, from {valid}; got {summary(names_or_all)} "
+            f"({type_name(names_or_all)})."
+        )
+        raise TypeError(msg)
+    names: list[str] = []
+    for index, name in enumerate(asked):
+        if not isinstance(name, str):
+            msg = (
+                f"trackers_from_names: names_or_all[{index}] is {summary(name)} "
+                f"({type_name(name)}); pass tracker names from {valid}."
+            )
+            raise TypeError(msg)
+        if name != _ALL and name not in _TRACKERS:
+            msg = (
+                f"trackers_from_names: unknown tracker name {name!r}; the names are "
+                f"{valid} ('all' is every one whose package is installed)."
+            )
+            raise ValueError(msg)
+        if name in names:
+            msg = (
+                f"trackers_from_names: {name!r} is named twice in "
+                f"{summary(asked)}; name each tracker once."
+            )
+            raise ValueError(msg)
+        names.append(name)
+    return names
+
+
+def trackers_from_names(
+    ctx: DistributedContext,
+    names_or_all: str | Iterable[str],
+    project_dir: str | os.PathLike[str],
+    *,
+    project_name: str = "funcaccel",
+) -> list[TrackerBase]:
+    """Build the built-in trackers named, each writing under ``project_dir``.
+
+    The names are those of Accelerate's ``log_with``: ``"jsonl"``
+    (``project_dir/metrics.jsonl``), ``"csv"`` (``project_dir/metrics.csv``),
+    ``"tensorboard"`` (``project_dir/tensorboard/``), ``"mlflow"``
+    (``project_dir/mlflow.db``, experiment ``project_name``) and ``"wandb"``
+    (``project_dir/wandb/``, project ``project_name``); ``"all"`` is every one of
+    them whose package is installed, in that order. Trackers come back in the
+    order named; each is main-process-only with its defaults, and none touches
+    the disk before its first gated call, so every rank calls this with the same
+    arguments and gets the same list (``ctx`` is checked, not consulted).
+
+    >>> from funcaccel.context import DistributedContext
+    >>> [t.name for t in trackers_from_names(DistributedContext(), ["csv", "jsonl"], "runs")]
+    ['csv', 'jsonl']
+
+    Args:
+        ctx: the run's context.
+        names_or_all: a tracker name, a list of them, or ``"all"``.
+        project_dir: the directory every tracker writes under.
+        project_name: the W&B project and the MLflow experiment.
+
+    Raises:
+        TypeError: ``ctx``, ``names_or_all`` or ``project_dir`` of the wrong type.
+        ValueError: an unknown name, or one named twice.
+        ImportError: a named tracker's package is not installed (checked before
+            any tracker is built).
+    """
+    if not isinstance(ctx, DistributedContext):
+        msg = (
+            f"trackers_from_names: ctx must be a DistributedContext; got "
+            f"{summary(ctx)} ({type_name(ctx)}). Build one with build_context()."
+        )
+        raise TypeError(msg)
+    if not isinstance(project_name, str) or not project_name:
+        msg = (
+            f"trackers_from_names: project_name must be a non-empty str; got "
+            f"{summary(project_name)} ({type_name(project_name)}). Pass e.g. 'exp1'."
+        )
+        raise TypeError(msg) if not isinstance(project_name, str) else ValueError(msg)
+    names = _names(names_or_all)
+    root = tracker_path("trackers_from_names", "project_dir", project_dir)
+    for name in names:
+        package = None if name == _ALL else _TRACKERS[name].package
+        if not _installed(package):
+            msg = (
+                f"trackers_from_names: tracker {name!r} needs the {package} package, "
+                f"which is not installed; install it with `pip install "
+                f"'funcaccel[{package}]'`, or leave {name!r} out."
+            )
+            raise ImportError(msg)
+    if _ALL in names:
+        names = [name for name, entry in _TRACKERS.items() if _installed(entry.package)]
+    return [_TRACKERS[name].build(root, project_name) for name in names]
