@@ -7,6 +7,7 @@ process that kills itself. Exact resumption of training is in ``test_resume.py``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -648,7 +649,10 @@ class _FailsOnRankZero(_Counter):
         return super().state_dict()
 
 
-def _ddp_worker(ctx: DistributedContext, root: Path) -> dict[str, Any]:
+def _ddp_worker(
+    ctx: DistributedContext, root: Path, guard: float | None
+) -> dict[str, Any]:
+    ctx = dataclasses.replace(ctx, collective_timeout=guard)
     torch.manual_seed(0)
     model = wrap_model(ctx, _Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -691,11 +695,12 @@ def _ddp_worker(ctx: DistributedContext, root: Path) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("guard", [None, 60.0], ids=["unguarded", "guarded"])
 def test_ddp_checkpoint_writes_the_model_once_and_each_rank_its_rng(
-    tmp_path: Path,
+    tmp_path: Path, guard: float | None
 ) -> None:
     root = tmp_path / "run"
-    results = run_ranks(_ddp_worker, 2, tmp_path / "workers", root)
+    results = run_ranks(_ddp_worker, 2, tmp_path / "workers", root, guard)
     path = results[0]["path"]
     assert sorted(p.name for p in path.iterdir()) == [
         "manifest.json",

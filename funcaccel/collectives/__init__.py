@@ -2,11 +2,14 @@
 
 ``_ops.py`` holds the public functions; ``_exchange.py`` what ranks agree on before
 moving tensors; ``_pad.py`` the padding arithmetic; ``_primitives.py`` the in-place
-broadcast and communication device that the loader and RNG sync build on.
+broadcast and communication device that the loader and RNG sync build on;
+``_guard.py`` the check, under ``ctx.collective_timeout``, that every rank reached
+the same collective (``guard_collective``, for every function that communicates).
 """
 
 from __future__ import annotations
 
+from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._ops import BatchInfo
 from funcaccel.collectives._ops import Reduction
 from funcaccel.collectives._ops import broadcast
@@ -29,6 +32,7 @@ __all__ = [
     "gather",
     "gather_for_metrics",
     "gather_object",
+    "guard_collective",
     "pad_across_processes",
     "pad_tensor",
     "reduce",
