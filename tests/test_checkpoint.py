@@ -435,7 +435,7 @@ def _truncate_and_fix_manifest(path: Path) -> None:
         (lambda p: (p / "rng_rank_0.pt").unlink(), r"rng_rank_0.pt is missing"),
         (
             _truncate_and_fix_manifest,
-            r"model_0.pt cannot be read .*truncated or damaged",
+            r"model_0.pt cannot be read .*truncated, damaged or crafted",
         ),
     ],
 )
@@ -540,6 +540,14 @@ _file_entries = st.builds(
     size=st.integers(0, 2**40),
     sha256=st.none() | st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
 )
+# Plain relative paths (what a manifest may list): no "..", ".", empty part or "/" lead.
+_member_names = st.lists(
+    st.text(string.ascii_letters + string.digits + "._-", min_size=1, max_size=6).filter(
+        lambda part: part not in (".", "..")
+    ),
+    min_size=1,
+    max_size=3,
+).map("/".join)
 _metas = st.builds(
     CheckpointMeta,
     world_size=st.integers(1, 64),
@@ -559,7 +567,7 @@ _metas = st.builds(
         global_batch_size=st.integers(0, 4096),
     ),
     extra=st.dictionaries(st.text(max_size=5), _json, max_size=4),
-    files=st.dictionaries(st.text(min_size=1, max_size=12), _file_entries, max_size=4),
+    files=st.dictionaries(_member_names, _file_entries, max_size=4),
 )
 
 

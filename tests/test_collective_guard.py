@@ -183,7 +183,11 @@ def test_the_guard_is_off_with_one_process_or_without_a_bound() -> None:
 
 def test_the_guard_needs_a_process_group_when_on() -> None:
     ctx = DistributedContext(
-        num_processes=2, distributed_type=DistributedType.MULTI_CPU, collective_timeout=1
+        num_processes=2,
+        distributed_type=DistributedType.MULTI_CPU,
+        collective_timeout=1,
     )
-    with pytest.raises(RuntimeError, match=r"^wait_for_everyone: ctx has num_processes=2"):
+    with pytest.raises(
+        RuntimeError, match=r"^wait_for_everyone: ctx has num_processes=2"
+    ):
         guard_collective(ctx, "wait_for_everyone")

@@ -312,7 +312,7 @@ def load_checkpoint(
     guard_collective(ctx, caller)
     meta = _read_checked(ctx, root, objs, verify=verify, caller=caller)
     _formats.load_state_objects(
-        ctx, root, objs, state_format=meta.state_format, caller=caller
+        ctx, root, objs, state_format=meta.state_format, files=meta.files, caller=caller
     )
     restored: tuple[str, ...] = ()
     rng_file = f"rng_rank_{ctx.process_index}.pt"
