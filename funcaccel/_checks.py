@@ -17,6 +17,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Final
 from typing import TypeVar
 
@@ -26,6 +27,7 @@ __all__ = [
     "a_or_an",
     "as_tuple_of",
     "check_bool",
+    "check_duration",
     "check_int",
     "check_norm",
     "check_scaler",
@@ -171,6 +173,35 @@ def check_int(caller: str, name: str, value: object, minimum: int) -> int:
         msg = f"{caller}: {name} ({value}) must be >= {minimum}; pass a larger value."
         raise ValueError(msg)
     return value
+
+
+def check_duration(caller: str, name: str, value: object) -> timedelta | None:
+    """Return ``value`` as a positive ``timedelta``: one, a number of seconds, or None.
+
+    >>> check_duration("f", "timeout", 2.5), check_duration("f", "timeout", None)
+    (datetime.timedelta(seconds=2, microseconds=500000), None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        duration = value
+    elif is_real(value):
+        assert isinstance(value, (int, float))
+        try:
+            duration = timedelta(seconds=value)
+        except (OverflowError, ValueError) as error:  # inf, nan, > 10**9 days
+            msg = f"{caller}: {name} must be a finite number of seconds; got {value!r}. Pass None to turn it off."
+            raise ValueError(msg) from error
+    else:
+        msg = (
+            f"{caller}: {name} must be a datetime.timedelta, a number of seconds or "
+            f"None; got {summary(value)} ({type_name(value)})."
+        )
+        raise TypeError(msg)
+    if duration <= timedelta(0):
+        msg = f"{caller}: {name} must be positive; got {summary(value)}. Use e.g. 60 (seconds)."
+        raise ValueError(msg)
+    return duration
 
 
 def check_norm(caller: str, name: str, value: object) -> None:

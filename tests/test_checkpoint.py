@@ -7,6 +7,7 @@ process that kills itself. Exact resumption of training is in ``test_resume.py``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -434,7 +435,7 @@ def _truncate_and_fix_manifest(path: Path) -> None:
         (lambda p: (p / "rng_rank_0.pt").unlink(), r"rng_rank_0.pt is missing"),
         (
             _truncate_and_fix_manifest,
-            r"model_0.pt cannot be read .*truncated or damaged",
+            r"model_0.pt cannot be read .*truncated, damaged or crafted",
         ),
     ],
 )
@@ -539,6 +540,14 @@ _file_entries = st.builds(
     size=st.integers(0, 2**40),
     sha256=st.none() | st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
 )
+# Plain relative paths (what a manifest may list): no "..", ".", empty part or "/" lead.
+_member_names = st.lists(
+    st.text(string.ascii_letters + string.digits + "._-", min_size=1, max_size=6).filter(
+        lambda part: part not in (".", "..")
+    ),
+    min_size=1,
+    max_size=3,
+).map("/".join)
 _metas = st.builds(
     CheckpointMeta,
     world_size=st.integers(1, 64),
@@ -558,7 +567,7 @@ _metas = st.builds(
         global_batch_size=st.integers(0, 4096),
     ),
     extra=st.dictionaries(st.text(max_size=5), _json, max_size=4),
-    files=st.dictionaries(st.text(min_size=1, max_size=12), _file_entries, max_size=4),
+    files=st.dictionaries(_member_names, _file_entries, max_size=4),
 )
 
 
@@ -648,7 +657,10 @@ class _FailsOnRankZero(_Counter):
         return super().state_dict()
 
 
-def _ddp_worker(ctx: DistributedContext, root: Path) -> dict[str, Any]:
+def _ddp_worker(
+    ctx: DistributedContext, root: Path, guard: float | None
+) -> dict[str, Any]:
+    ctx = dataclasses.replace(ctx, collective_timeout=guard)
     torch.manual_seed(0)
     model = wrap_model(ctx, _Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -691,11 +703,12 @@ def _ddp_worker(ctx: DistributedContext, root: Path) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("guard", [None, 60.0], ids=["unguarded", "guarded"])
 def test_ddp_checkpoint_writes_the_model_once_and_each_rank_its_rng(
-    tmp_path: Path,
+    tmp_path: Path, guard: float | None
 ) -> None:
     root = tmp_path / "run"
-    results = run_ranks(_ddp_worker, 2, tmp_path / "workers", root)
+    results = run_ranks(_ddp_worker, 2, tmp_path / "workers", root, guard)
     path = results[0]["path"]
     assert sorted(p.name for p in path.iterdir()) == [
         "manifest.json",

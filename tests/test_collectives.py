@@ -479,7 +479,8 @@ def _checked(call: Callable[..., Any], data: Any, *args: Any, **kwargs: Any) -> 
     return result
 
 
-def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
+def _scenarios(ctx: DistributedContext, guard: float | None) -> dict[str, Any]:
+    ctx = dataclasses.replace(ctx, collective_timeout=guard)
     rank, world = ctx.process_index, ctx.num_processes
     out: dict[str, Any] = {}
 
@@ -634,13 +635,22 @@ def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
 Results = tuple[int, list[dict[str, Any]]]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(
+    scope="module",
+    params=[(2, None), (3, None), (2, 60.0), (3, 60.0)],
+    ids=["world2", "world3", "world2-guarded", "world3-guarded"],
+)
 def dist_results(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Results:
-    """Each rank's ``_scenarios`` results, from one run per world size."""
-    world: int = request.param
-    return world, run_ranks(_scenarios, world, tmp_path_factory.mktemp(f"w{world}"))
+    """Each rank's ``_scenarios`` results, from one run per world size and guard.
+
+    With the guard on (``collective_timeout``) every call, the failing ones
+    included, must give exactly what it gives with the guard off.
+    """
+    world, guard = request.param
+    tmp = tmp_path_factory.mktemp(f"w{world}")
+    return world, run_ranks(_scenarios, world, tmp, guard)
 
 
 def on_every_rank(results: Results, name: str) -> Any:

@@ -76,6 +76,34 @@ def test_context_is_frozen_and_changed_only_by_replace() -> None:
         dataclasses.replace(ctx, process_index=3)
 
 
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        (None, None),
+        (3, timedelta(seconds=3)),
+        (2.5, timedelta(seconds=2.5)),
+        (timedelta(minutes=1), timedelta(minutes=1)),
+    ],
+)
+def test_collective_timeout_is_stored_as_a_timedelta(
+    given: timedelta | float | None, stored: timedelta | None
+) -> None:
+    ctx = DistributedContext(collective_timeout=given)
+    assert ctx.collective_timeout == stored
+    assert ctx == DistributedContext(collective_timeout=stored)
+    environ = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    from_env = context_from_env(environ, cpu=True, collective_timeout=given)
+    assert from_env.collective_timeout == stored
+    one = build_context(cpu=True, environ={}, collective_timeout=given)
+    assert one.collective_timeout == stored
+
+
+def test_context_from_env_names_itself_for_a_bad_collective_timeout() -> None:
+    environ = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    with pytest.raises(ValueError, match=r"^context_from_env: collective_timeout must"):
+        context_from_env(environ, cpu=True, collective_timeout=-1)
+
+
 def test_two_contexts_in_one_process_never_affect_each_other() -> None:
     first = context_from_env(
         {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}, cpu=True
@@ -138,6 +166,24 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
             r"mixed_precision must be one of 'no', 'fp16', 'bf16'; got 'fp32'\.$",
         ),
         ({"backend": 3}, TypeError, r"backend must be a str or None; got 3"),
+        (
+            {"collective_timeout": "60"},
+            TypeError,
+            r"collective_timeout must be a datetime\.timedelta, a number of seconds "
+            r"or None; got '60' \(str\)",
+        ),
+        ({"collective_timeout": True}, TypeError, r"collective_timeout must be a"),
+        ({"collective_timeout": 0}, ValueError, r"collective_timeout must be positive"),
+        (
+            {"collective_timeout": timedelta(seconds=-1)},
+            ValueError,
+            r"collective_timeout must be positive",
+        ),
+        (
+            {"collective_timeout": float("inf")},
+            ValueError,
+            r"collective_timeout must be a finite number of seconds; got inf",
+        ),
         (
             {"num_processes": 2},
             ValueError,

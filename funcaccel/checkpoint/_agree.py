@@ -20,6 +20,7 @@ from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint._manifest import CheckpointMeta
 from funcaccel.checkpoint._manifest import check_json_value
 from funcaccel.checkpoint._manifest import read_manifest
+from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
@@ -87,6 +88,10 @@ def _check_counts(
                 f"passed; pass the same {label} as when it was saved, in that order."
             )
             raise ValueError(msg)
+    for name in _files_read(meta, objs):
+        if name not in meta.files:
+            msg = f"{caller}: the manifest of {root} does not list {name}, which the load reads, so it was never checked; {DAMAGED}."
+            raise ValueError(msg)
     if meta.state_format == "torch":
         for index, model in enumerate(objs.models):
             if is_fsdp_module(unwrap_model(model)):
@@ -96,6 +101,17 @@ def _check_counts(
                     "model, or resume from a checkpoint saved with FSDP2."
                 )
                 raise ValueError(msg)
+
+
+def _files_read(meta: CheckpointMeta, objs: _formats.StateObjects) -> list[str]:
+    """Return the files ``load_state_objects`` opens: each must be in the manifest."""
+    names = [f"scheduler_{i}.pt" for i in range(len(objs.schedulers))]
+    names += ["scaler.pt"] if objs.scaler is not None else []
+    names += [f"object_{key}.pt" for key in objs.named]
+    if meta.state_format == "dcp":
+        return [*names, "dcp/.metadata"]
+    names += [f"model_{i}.pt" for i in range(len(objs.models))]
+    return names + [f"optimizer_{i}.pt" for i in range(len(objs.optimizers))]
 
 
 def _read_checked(

@@ -10,7 +10,8 @@ value. Their tensors are stored in one of two formats, chosen by ``choose_format
   ``torch.load(..., weights_only=True)`` onto the CPU.
 - ``"dcp"`` (any model sharded by FSDP2): models and optimizers go through
   ``torch.distributed.checkpoint``; each rank writes its own shards, and DCP
-  reshards on load, so a checkpoint written on 2 processes loads on 1 or 3.
+  reshards on load, so a checkpoint written on 2 processes loads on 1 or 3. What
+  DCP would unpickle is vetted first (``_dcp_checks.py``): no pickled code runs.
 
 Schedulers, the scaler and other objects are always whole files from rank 0, and
 each rank writes its own RNG file. Every file is fsynced after writing.
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import warnings
+from collections.abc import Collection
 from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -33,10 +36,14 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
 from funcaccel.checkpoint import _layout
+from funcaccel.checkpoint._dcp_checks import check_dcp_metadata
+from funcaccel.checkpoint._dcp_checks import check_dcp_value
 from funcaccel.checkpoint._manifest import FileEntry
+from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.model import unwrap_model
@@ -248,30 +255,50 @@ def load_sharded(
     models: Sequence[nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
     *,
+    listed: Collection[str],
     caller: str,
 ) -> None:
     """Load ``models`` and ``optimizers`` in place from a DCP checkpoint in ``directory``.
 
     Works for FSDP2, DDP and plain modules alike, on any world size: DCP reads the
     parts of each tensor this rank holds. Collective with several processes.
+    ``listed`` holds the checked file names of ``directory`` the manifest lists;
+    DCP may read no other, and nothing it unpickles may run code.
 
     Raises:
         ValueError: the checkpoint does not hold these models' tensors (different
-            architecture, or a different number of models or optimizers).
+            architecture, or a different number of models or optimizers), or its
+            metadata or values are crafted or damaged.
     """
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        """DCP's planner, loading a value only once it has loaded weights-only."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            check_dcp_value(value, caller=caller)
+            super().load_bytes(read_item, value)
+
     pairs = pair_optimizers(models, optimizers, caller=caller)
     state = _dcp_state(models, optimizers, pairs)
+    check_dcp_metadata(directory, listed, caller=caller)
     reader = FileSystemReader(directory)
     try:
         with _single_process_warning_ignored():
-            dcp_load(state, storage_reader=reader, no_dist=ctx.num_processes == 1)
+            dcp_load(
+                state,
+                storage_reader=reader,
+                planner=WeightsOnlyPlanner(),
+                no_dist=ctx.num_processes == 1,
+            )
     except (CheckpointException, RuntimeError, ValueError, KeyError) as error:
+        if DAMAGED in str(error):  # from the checks above, maybe wrapped by DCP
+            raise ValueError(summary(str(error), 600)) from error
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         msg = (
             f"{caller}: the sharded state in {directory} does not fit the models and "
@@ -350,17 +377,27 @@ def load_state_objects(
     objs: StateObjects,
     *,
     state_format: StateFormat,
+    files: Collection[str],
     caller: str,
 ) -> None:
     """Load every object of ``objs`` in place from the checkpoint in ``root``.
 
-    Collective for the ``"dcp"`` format. Models are loaded unwrapped.
+    Collective for the ``"dcp"`` format. Models are loaded unwrapped. ``files``
+    holds the (checked) names the manifest lists.
 
     Raises:
         ValueError: a file is unreadable or does not fit its object.
     """
     if state_format == "dcp":
-        load_sharded(ctx, root / "dcp", objs.models, objs.optimizers, caller=caller)
+        listed = {name[4:] for name in files if name.startswith("dcp/")}
+        load_sharded(
+            ctx,
+            root / "dcp",
+            objs.models,
+            objs.optimizers,
+            listed=listed,
+            caller=caller,
+        )
     else:
         for index, model in enumerate(objs.models):
             path, what = root / f"model_{index}.pt", f"models[{index}]"

@@ -9,6 +9,10 @@ A process killed at any moment therefore leaves ``latest`` naming a complete
 checkpoint, and every name that looks complete is. Files are written with
 ``torch.save`` and fsynced, and read back with ``torch.load(weights_only=True)``.
 
+A run directory is untrusted input: only real directories count as checkpoints
+(a symlink named ``checkpoint-000007`` is neither listed, loaded nor deleted), and
+``latest`` must be a small regular file naming one of them.
+
 >>> checkpoint_dirs(Path("/nonexistent")), latest_checkpoint("/nonexistent")
 ([], None)
 """
@@ -21,12 +25,17 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import zipfile
 from pathlib import Path
 from typing import Any
 from typing import Final
 
 import torch
+
+from funcaccel._checks import summary
+from funcaccel.checkpoint._members import DAMAGED
+from funcaccel.checkpoint._members import regular_file
 
 __all__ = [
     "LATEST_NAME",
@@ -49,19 +58,29 @@ MANIFEST_NAME: Final = "manifest.json"
 LATEST_NAME: Final = "latest"
 _NAME_RE: Final = re.compile(r"checkpoint-(\d+)")
 _CHUNK: Final = 1 << 20
+_POINTER_LIMIT: Final = 4096
+
+
+def _is_real_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory itself, not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:
     """Return the numbered checkpoint directories in ``root``, complete or not, in order.
 
-    Hidden temporary directories (``.checkpoint-N.tmp``) are not included.
+    Hidden temporary directories (``.checkpoint-N.tmp``) and symlinks are not
+    included.
     """
     if not root.is_dir():
         return []
     found: list[tuple[int, Path]] = []
     for path in root.iterdir():
         match = _NAME_RE.fullmatch(path.name)
-        if match and path.is_dir():
+        if match and _is_real_dir(path):
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
@@ -81,13 +100,13 @@ def prepare(root: Path) -> str:
         The new checkpoint's name, one past the highest number in ``root``.
     """
     root.mkdir(parents=True, exist_ok=True)
-    existing = checkpoint_dirs(root)
-    number = int(existing[-1].name.split("-")[1]) + 1 if existing else 1
-    name = f"checkpoint-{number:06d}"
+    # Every name counts, a symlink's or a file's too: the new one must be free.
+    taken = [int(m.group(1)) for p in root.iterdir() if (m := _NAME_RE.fullmatch(p.name))]
+    name = f"checkpoint-{max(taken, default=0) + 1:06d}"
     temporary = temporary_dir(root, name)
-    if temporary.exists():
+    if _is_real_dir(temporary):
         shutil.rmtree(temporary)
-    temporary.mkdir()
+    temporary.mkdir()  # an OSError if a symlink or file has the name
     return name
 
 
@@ -129,11 +148,13 @@ def prune(root: Path, *, keep_last: int | None) -> None:
     """Delete leftover temporary dirs and all but the newest ``keep_last`` checkpoints.
 
     Run on rank 0 only after ``commit``: nothing it deletes is current. ``None``
-    keeps every checkpoint.
+    keeps every checkpoint. Links are never followed: only real directories are
+    deleted (``shutil.rmtree`` unlinks a symlink inside one, it does not descend).
     """
     for path in root.iterdir():
         if path.name.startswith(".checkpoint-") and path.name.endswith(".tmp"):
-            shutil.rmtree(path)
+            if _is_real_dir(path):
+                shutil.rmtree(path)
     if keep_last is None:
         return
     complete = [p for p in checkpoint_dirs(root) if (p / MANIFEST_NAME).is_file()]
@@ -184,17 +205,30 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     returned.
 
     Raises:
-        ValueError: ``latest`` names something that is not a complete checkpoint.
+        ValueError: ``latest`` names something that is not a complete checkpoint,
+            or is not a small regular file (a symlink, FIFO or device).
     """
+    caller = "latest_checkpoint"
     root = Path(directory)
     pointer = root / LATEST_NAME
     complete = list_checkpoints(root)
-    if not pointer.is_file():
+    if not pointer.is_symlink() and regular_file(pointer) == "is missing":
         return complete[-1] if complete else None
-    name = pointer.read_text(encoding="utf-8").strip()
-    if root / name not in complete:
+    problem = "is a symlink" if pointer.is_symlink() else regular_file(pointer)
+    if problem is None and pointer.stat().st_size > _POINTER_LIMIT:
+        problem = f"has {pointer.stat().st_size} bytes"
+    if problem is not None:
+        msg = f"{caller}: {pointer} {problem}, but funcaccel writes it as a short regular file; {DAMAGED}, or delete {pointer} to use the newest complete checkpoint."
+        raise ValueError(msg)
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as error:
+        msg = f"{caller}: {pointer} is not text ({error.reason}); {DAMAGED}."
+        raise ValueError(msg) from error
+    # Only a name listed above is returned: a bare checkpoint-N in root, no path.
+    if not _NAME_RE.fullmatch(name) or root / name not in complete:
         msg = (
-            f"latest_checkpoint: {pointer} names {name!r}, which is not a complete "
+            f"{caller}: {pointer} names {summary(name)}, which is not a complete "
             f"checkpoint in {root}; delete {pointer} to use the newest complete one "
             f"({complete[-1].name if complete else 'there is none'})."
         )
@@ -218,14 +252,18 @@ def write_torch_file(obj: object, path: Path) -> tuple[int, str]:
 def read_torch_file(path: Path, *, caller: str) -> Any:
     """Read a file written by ``write_torch_file`` onto the CPU, weights only.
 
+    Nothing in the file runs: ``weights_only=True`` unpickles tensors and plain
+    values only, and refuses any other object (a crafted file's code included).
+
     Raises:
-        ValueError: the file is missing, truncated or not a weights-only torch file;
-            the message names the file.
+        ValueError: the file is missing, not a regular file, truncated or not a
+            weights-only torch file; the message names the file.
     """
-    if not path.is_file():
+    problem = regular_file(path)
+    if problem is not None:
         msg = (
-            f"{caller}: {path} is missing; the checkpoint is incomplete. Load an "
-            "earlier one (see list_checkpoints)."
+            f"{caller}: {path} {problem}; the checkpoint is incomplete, damaged or "
+            "crafted. Load an earlier one (see list_checkpoints)."
         )
         raise ValueError(msg)
     try:
@@ -238,8 +276,9 @@ def read_torch_file(path: Path, *, caller: str) -> Any:
     ) as error:
         msg = (
             f"{caller}: {path} cannot be read ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else 'no detail'}); the file "
-            "is truncated or damaged. Load an earlier checkpoint (see "
+            f"{(str(error).splitlines() or ['no detail'])[0][:200]}); "
+            "the file is truncated, damaged or crafted (only tensors and plain values "
+            "are loaded, weights_only=True). Load an earlier checkpoint (see "
             "list_checkpoints)."
         )
         raise ValueError(msg) from error

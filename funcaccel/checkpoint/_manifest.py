@@ -23,7 +23,12 @@ from typing import Final
 from typing import Literal
 from typing import TypeVar
 
+from funcaccel._checks import summary
 from funcaccel.checkpoint import _layout
+from funcaccel.checkpoint._members import DAMAGED
+from funcaccel.checkpoint._members import check_member_name
+from funcaccel.checkpoint._members import member_path
+from funcaccel.checkpoint._members import regular_file
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
 
@@ -39,6 +44,8 @@ SCHEMA_VERSION: Final = 1
 """The manifest schema this funcaccel writes and reads."""
 _FORMAT_TAG: Final = "funcaccel-checkpoint"
 _HEX: Final = frozenset("0123456789abcdef")
+# Far above any real manifest (about 100 bytes per file): a bigger one is not read.
+_MANIFEST_LIMIT: Final = 64 << 20
 T = TypeVar("T")
 
 
@@ -122,7 +129,8 @@ class CheckpointMeta:
         grad: the saved ``GradState``, or ``None``.
         loader: the saved ``LoaderState``, or ``None``.
         extra: user metadata (JSON values; copied).
-        files: every file by path relative to the checkpoint, with its ``FileEntry``.
+        files: every file by path relative to the checkpoint (a plain relative
+            path: no ``..``, not absolute), with its ``FileEntry``.
         schema_version: the manifest schema (``SCHEMA_VERSION``).
 
     Raises:
@@ -188,6 +196,8 @@ class CheckpointMeta:
         ):
             msg = f"{owner}: files must map str to FileEntry; got {self.files!r}."
             raise TypeError(msg)
+        for name in self.files:
+            check_member_name(name, caller=owner, where="files")
         object.__setattr__(self, "files", dict(self.files))
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,8 +276,9 @@ def _file_entry(name: object, value: object) -> FileEntry:
 
 
 def _file_problem(file: Path, entry: FileEntry, *, verify: bool) -> str | None:
-    if not file.is_file():
-        return "is missing"
+    problem = regular_file(file)
+    if problem is not None:
+        return problem
     size = file.stat().st_size
     if size != entry.size:
         return f"has {size} bytes but the manifest records {entry.size} (truncated?)"
@@ -278,27 +289,36 @@ def _file_problem(file: Path, entry: FileEntry, *, verify: bool) -> str | None:
 
 def read_manifest(root: Path, *, verify: bool, caller: str) -> CheckpointMeta:
     """Read ``root``'s manifest and check the files it lists (see ``read_checkpoint_meta``)."""
-    manifest = root / _layout.MANIFEST_NAME
-    if not manifest.is_file():
+    where = f"the manifest of {root}"
+    manifest = member_path(root, _layout.MANIFEST_NAME, caller=caller, where=where)
+    problem = regular_file(manifest)
+    if problem not in (None, "is missing"):
+        msg = f"{caller}: {manifest} {problem}; {DAMAGED}."
+        raise ValueError(msg)
+    if problem is not None:
         msg = (
             f"{caller}: {manifest} is missing, so {root} is not a complete checkpoint "
             "(an interrupted save leaves none); use latest_checkpoint(directory) to "
             "find the newest complete one."
         )
         raise ValueError(msg)
+    if manifest.stat().st_size > _MANIFEST_LIMIT:
+        msg = f"{caller}: {manifest} has {manifest.stat().st_size} bytes, more than any manifest funcaccel writes; {DAMAGED}."
+        raise ValueError(msg)
     try:
         meta = CheckpointMeta.from_dict(
             json.loads(manifest.read_text(encoding="utf-8"))
         )
-    except (ValueError, TypeError) as error:
-        msg = f"{caller}: {manifest} is not a valid manifest: {error}"
+    except (ValueError, TypeError, RecursionError) as error:  # deep JSON recurses
+        msg = f"{caller}: {manifest} is not a valid manifest: {summary(str(error), 300)}"
         raise ValueError(msg) from error
     for name, entry in meta.files.items():
-        problem = _file_problem(root / name, entry, verify=verify)
+        path = member_path(root, name, caller=caller, where=where)
+        problem = _file_problem(path, entry, verify=verify)
         if problem is not None:
             msg = (
-                f"{caller}: {root / name} {problem}; the checkpoint is damaged, load "
-                "an earlier one (see list_checkpoints)."
+                f"{caller}: {path} {problem}; the checkpoint is damaged (or crafted), "
+                "load an earlier one (see list_checkpoints)."
             )
             raise ValueError(msg)
     return meta

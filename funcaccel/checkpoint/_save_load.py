@@ -69,6 +69,7 @@ from funcaccel.checkpoint._manifest import CheckpointMeta
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._manifest import check_json_value
 from funcaccel.checkpoint._manifest import read_manifest
+from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
@@ -184,7 +185,8 @@ def save_checkpoint(
         ValueError: an open accumulation window, non-JSON ``extra``, a bad
             ``keep_last`` or object name.
         RuntimeError: a rank failed to write (raised on every rank; the previous
-            checkpoint stays current), or no process group matching ``ctx``.
+            checkpoint stays current), no process group matching ``ctx``, or
+            (with ``ctx.collective_timeout``) a rank that did not call it in time.
     """
     caller = "save_checkpoint"
     objs = _formats.check_state_objects(
@@ -198,6 +200,7 @@ def save_checkpoint(
     if state_format == "dcp":
         _formats.pair_optimizers(objs.models, objs.optimizers, caller=caller)
     root = Path(directory)
+    guard_collective(ctx, caller)
     name, error = "", None
     if ctx.is_main_process:
         try:
@@ -278,7 +281,7 @@ def load_checkpoint(
     loads on any world size, into FSDP2, DDP or plain models; a whole one into DDP
     or plain models. Each rank restores the RNG states its rank saved; with 2 saving
     and 3 loading processes, rank 2 keeps its own (``rng_restored`` is empty).
-    Collective for sharded checkpoints.
+    Collective: every rank calls it (the ranks agree the checkpoint is readable).
 
     Args:
         ctx: the distributed context.
@@ -294,7 +297,8 @@ def load_checkpoint(
         TypeError: an argument of the wrong type.
         ValueError: an incomplete, damaged or other-schema checkpoint, or objects
             that do not match it; the message names the file.
-        RuntimeError: another rank failed to read it, or no matching group.
+        RuntimeError: another rank failed to read it, no matching group, or (with
+            ``ctx.collective_timeout``) a rank that did not call it in time.
     """
     caller = "load_checkpoint"
     objs = _formats.check_state_objects(
@@ -305,9 +309,10 @@ def load_checkpoint(
             msg = f"{caller}: {flag} must be a bool; got {given!r}."
             raise TypeError(msg)
     root = Path(path)
+    guard_collective(ctx, caller)
     meta = _read_checked(ctx, root, objs, verify=verify, caller=caller)
     _formats.load_state_objects(
-        ctx, root, objs, state_format=meta.state_format, caller=caller
+        ctx, root, objs, state_format=meta.state_format, files=meta.files, caller=caller
     )
     restored: tuple[str, ...] = ()
     rng_file = f"rng_rank_{ctx.process_index}.pt"

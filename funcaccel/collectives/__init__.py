@@ -4,11 +4,14 @@
 moving tensors; ``_pad.py`` the padding arithmetic; ``_primitives.py`` the in-place
 broadcast and communication device that the loader and RNG sync build on;
 ``_process_sync.py`` barriers, flags agreed across ranks and
-``split_between_processes``.
+``split_between_processes``;
+``_guard.py`` the check, under ``ctx.collective_timeout``, that every rank reached
+the same collective (``guard_collective``, for every function that communicates).
 """
 
 from __future__ import annotations
 
+from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._ops import BatchInfo
 from funcaccel.collectives._ops import Reduction
 from funcaccel.collectives._ops import broadcast
@@ -43,6 +46,7 @@ __all__ = [
     "gather",
     "gather_for_metrics",
     "gather_object",
+    "guard_collective",
     "pad_across_processes",
     "pad_tensor",
     "reduce",

@@ -6,7 +6,9 @@ the caller's tensors and containers are never modified, and another leaf is a
 ``TypeError`` naming its path. With one process every function returns its input
 (``reduce`` an equal copy) and needs no process group; arguments are checked alike.
 With several, ranks first exchange each leaf's shape and dtype, so a disagreement is
-a ``ValueError`` on every rank instead of a hang.
+a ``ValueError`` on every rank instead of a hang; with ``ctx.collective_timeout``
+set, a call that some ranks never make is a ``RuntimeError`` naming it, on the ranks
+that made it, within that bound (see ``guard_collective``).
 
 >>> ctx = DistributedContext()
 >>> gather(ctx, {"x": torch.tensor([1, 2])})
@@ -34,6 +36,7 @@ from funcaccel.collectives._exchange import exchange
 from funcaccel.collectives._exchange import join_objects
 from funcaccel.collectives._exchange import local_spec
 from funcaccel.collectives._exchange import per_leaf
+from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._leaves import is_tensor_tree
 from funcaccel.collectives._leaves import tensor_leaves
 from funcaccel.collectives._pad import check_pad_args
@@ -95,12 +98,14 @@ def gather(ctx: DistributedContext, data: T) -> T:
     Raises:
         TypeError: a leaf is not a tensor.
         ValueError: on every rank, when the structure, a dtype or a dim but 0 differs.
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "gather")
     paths, flat = tensor_leaves(data, "gather", rows=True)
     if ctx.num_processes == 1:
         return data
+    guard_collective(ctx, "gather")
     specs = exchange(ctx, "gather", paths, flat)
     return rebuild(data, _gather_rows(ctx, "gather", paths, flat, specs))
 
@@ -133,12 +138,14 @@ def gather_object(ctx: DistributedContext, obj: list[T] | tuple[T, ...]) -> list
 
     Raises:
         TypeError: ``obj`` is not a list or tuple (on every rank when any rank's is not).
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "gather_object")
     if ctx.num_processes == 1:
         join_objects("gather_object", "obj", [obj])
         return obj if isinstance(obj, list) else list(obj)
+    guard_collective(ctx, "gather_object")
     # Exchange first, check after: every rank sees every rank's type alike.
     out: list[T] = join_objects("gather_object", "obj", all_gather_objects(ctx, obj))
     return out
@@ -156,13 +163,15 @@ def broadcast(ctx: DistributedContext, data: T, *, from_process: int = 0) -> T:
         TypeError: a leaf is not a tensor, or ``from_process`` not an int.
         ValueError: ``from_process`` out of range; on every rank, a structure,
             shape or dtype that differs across ranks.
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "broadcast")
     _check_from_process(ctx, "broadcast", from_process)
     paths, leaves = tensor_leaves(data, "broadcast")
     if ctx.num_processes == 1:
         return data
+    guard_collective(ctx, "broadcast")
     for path, per_rank in zip(
         paths, exchange(ctx, "broadcast", paths, leaves), strict=True
     ):
@@ -182,12 +191,14 @@ def broadcast_object(ctx: DistributedContext, obj: T, *, from_process: int = 0) 
     Raises:
         TypeError: ``from_process`` is not an int.
         ValueError: ``from_process`` is out of range.
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "broadcast_object")
     _check_from_process(ctx, "broadcast_object", from_process)
     if ctx.num_processes == 1:
         return obj
+    guard_collective(ctx, "broadcast_object")
     holder: list[T] = [obj]
     dist.broadcast_object_list(holder, src=from_process)
     return holder[0]
@@ -206,7 +217,8 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction = "sum") ->
             structure, shape or dtype that differs across ranks.
         TypeError: a leaf is not a tensor, "mean" of an integer or bool tensor, or
             "max" of a complex one.
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "reduce")
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
@@ -217,6 +229,7 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction = "sum") ->
         raise ValueError(msg)
     paths, leaves = tensor_leaves(data, "reduce")
     if ctx.num_processes > 1:
+        guard_collective(ctx, "reduce")
         specs = exchange(ctx, "reduce", paths, leaves)
         for path, per_rank in zip(paths, specs, strict=True):
             check_agree("reduce", path, per_rank, 0)
@@ -259,13 +272,15 @@ def pad_across_processes(
             a number.
         ValueError: ``dim`` is negative; on every rank, a structure that
             differs across ranks.
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "pad_across_processes")
     check_pad_args("pad_across_processes", dim, pad_index)
     paths, leaves = tensor_leaves(data, "pad_across_processes")
     if ctx.num_processes == 1:
         return data
+    guard_collective(ctx, "pad_across_processes")
     specs = exchange(ctx, "pad_across_processes", paths, leaves)
     longest = [
         max((s[dim] for s, _ in per_rank if len(s) > dim), default=0)
@@ -350,7 +365,8 @@ def gather_for_metrics(
         TypeError: ``batch`` lacks ``is_last``/``remainder``, or the object path gets
             data that is not a list or tuple.
         ValueError: ``batch.remainder < -1``, or as ``gather``.
-        RuntimeError: no process group matches ``ctx``.
+        RuntimeError: no process group matches ``ctx``, or (with
+            ``ctx.collective_timeout``) not every rank reached this call.
     """
     caller = "gather_for_metrics"
     require_process_group(ctx, caller)
@@ -364,6 +380,7 @@ def gather_for_metrics(
             join_objects(caller, "data", [data])
         return data
     paths, flat = ([], []) if objects else tensor_leaves(data, caller, rows=True)
+    guard_collective(ctx, caller)
     # One exchange settles the path: objects as soon as any rank needs them (an
     # empty list holds no non-tensor leaf, so ranks can disagree).
     every = all_gather_objects(

@@ -25,6 +25,7 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
+from funcaccel._checks import check_duration
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel._typing import MixedPrecision
 from funcaccel.context._env import check_mixed_precision
@@ -72,6 +73,11 @@ class DistributedContext:
             needs a CUDA device and ``MULTI_CPU`` a CPU one.
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
         backend: the torch.distributed backend, or ``None`` with one process.
+        collective_timeout: how long a funcaccel collective waits for every rank
+            to call it before raising a ``RuntimeError`` that names the call and
+            the missing ranks (a ``timedelta`` or seconds; stored as a
+            ``timedelta``). ``None``, the default, turns the check off: a call only
+            some ranks make then waits for the process group's timeout.
 
     Raises:
         ValueError: a field out of range or inconsistent with another.
@@ -87,6 +93,7 @@ class DistributedContext:
     distributed_type: DistributedType = DistributedType.NO
     mixed_precision: MixedPrecision = "no"
     backend: str | None = None
+    collective_timeout: timedelta | float | None = None
 
     def __post_init__(self) -> None:
         owner = "DistributedContext"
@@ -133,6 +140,8 @@ class DistributedContext:
             msg = f"{owner}: backend must be a str or None; got {self.backend!r}."
             raise TypeError(msg)
         _check_type_consistency(self)
+        timeout = check_duration(owner, "collective_timeout", self.collective_timeout)
+        object.__setattr__(self, "collective_timeout", timeout)
 
     @property
     def is_main_process(self) -> bool:
@@ -218,6 +227,7 @@ def context_from_env(
     mixed_precision: MixedPrecision = "no",
     cpu: bool = False,
     init_kwargs: InitProcessGroupKwargs | None = None,
+    collective_timeout: timedelta | float | None = None,
 ) -> DistributedContext:
     """Build the context torchrun's variables in ``environ`` describe; start nothing.
 
@@ -230,6 +240,8 @@ def context_from_env(
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
         cpu: force the CPU even when CUDA is available.
         init_kwargs: decides the backend (see ``effective_backend``).
+        collective_timeout: the context's ``collective_timeout`` (seconds or a
+            ``timedelta``; ``None`` leaves the check off).
 
     Returns:
         The context; its device is ``cuda:<LOCAL_RANK % device_count>`` when CUDA is
@@ -244,12 +256,18 @@ def context_from_env(
     >>> ctx.process_index, ctx.distributed_type.value, ctx.backend
     (1, 'MULTI_CPU', 'gloo')
     """
+    # Checked first: a bad timeout is the caller's, not the environment's.
+    check_duration("context_from_env", "collective_timeout", collective_timeout)
     use_cuda = torch.cuda.is_available() and not cpu
     world = environ.get("WORLD_SIZE")
     if world is None or world.strip() == "1":
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         check_mixed_precision(mixed_precision, device)
-        return DistributedContext(device=device, mixed_precision=mixed_precision)
+        return DistributedContext(
+            device=device,
+            mixed_precision=mixed_precision,
+            collective_timeout=collective_timeout,
+        )
     num_processes = env_int(environ, "WORLD_SIZE")
     rank = env_int(environ, "RANK")
     local_rank = env_int(environ, "LOCAL_RANK")
@@ -278,6 +296,7 @@ def context_from_env(
             distributed_type=kind if num_processes > 1 else DistributedType.NO,
             mixed_precision=mixed_precision,
             backend=backend if num_processes > 1 else None,
+            collective_timeout=collective_timeout,
         )
     except ValueError as error:
         msg = f"context_from_env: the environment gives an invalid context: {error}"
@@ -318,6 +337,7 @@ def build_context(
     cpu: bool = False,
     init_kwargs: InitProcessGroupKwargs | None = None,
     environ: Mapping[str, str] | None = None,
+    collective_timeout: timedelta | float | None = None,
 ) -> DistributedContext:
     """Build the context from torchrun's environment and start the process group.
 
@@ -333,6 +353,8 @@ def build_context(
         cpu: force the CPU even when CUDA is available.
         init_kwargs: options for ``init_process_group``.
         environ: where to read torchrun's variables; ``os.environ`` when ``None``.
+        collective_timeout: bound the wait of every funcaccel collective for the
+            other ranks (see ``DistributedContext``); ``None`` leaves it off.
 
     Returns:
         The context; end the group with ``close_context(ctx)``.
@@ -344,7 +366,11 @@ def build_context(
     kwargs = init_kwargs or InitProcessGroupKwargs()
     env = os.environ if environ is None else environ
     ctx = context_from_env(
-        env, mixed_precision=mixed_precision, cpu=cpu, init_kwargs=kwargs
+        env,
+        mixed_precision=mixed_precision,
+        cpu=cpu,
+        init_kwargs=kwargs,
+        collective_timeout=collective_timeout,
     )
     if ctx.num_processes == 1:
         return ctx
