@@ -708,7 +708,7 @@ def test_resume_raises_past_the_end_and_yields_the_rest_up_to_it(
     def make() -> DataLoader[torch.Tensor]:
         return DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last)
 
-    options = {"even_batches": even_batches, "dispatch_batches": False}
+    options: dict[str, Any] = {"even_batches": even_batches, "dispatch_batches": False}
     full = all_ranks(p, make, **options)
     epoch = max(len(batches) for batches in full)  # global batches: rank 0's count
     consumed = epoch + extra
@@ -1221,7 +1221,7 @@ def test_a_generator_the_loader_would_ignore_is_refused(
                 f"instead (seed={seed})."
             ),
         ):
-            shard_loader(ctx_for(p), DataLoader(range(6), batch_size=2, **options))
+            shard_loader(ctx_for(p), DataLoader(Indexed(6), batch_size=2, **options))
         assert torch.equal(generator.get_state(), state)  # not consumed
 
 
@@ -1232,7 +1232,9 @@ def test_a_generator_seed_too_large_for_seed_is_not_suggested() -> None:
     ):
         shard_loader(
             ctx_for(1),
-            DataLoader(range(6), batch_size=2, shuffle=True, generator=_seeded(2**63)),
+            DataLoader(
+                Indexed(6), batch_size=2, shuffle=True, generator=_seeded(2**63)
+            ),
         )
 
 

@@ -111,10 +111,7 @@ def _start_epoch(setup: Setup, epoch: int) -> None:
 
 def _consume(iterator: Iterator[Any], count: int) -> int:
     """Drop the next ``count`` items of ``iterator``; return how many there were."""
-    dropped = 0
-    for dropped, _ in enumerate(itertools.islice(iterator, count), start=1):
-        pass
-    return dropped
+    return sum(1 for _ in itertools.islice(iterator, count))
 
 
 def past_the_end(
@@ -213,7 +210,9 @@ def _dispatch_base(
         batches = iter(setup.inner)
         if skip:
             head[:] = itertools.islice(batches, head_count)
-            _skip_exactly(setup, itertools.chain(head, batches), skip, epoch, head_count)
+            _skip_exactly(
+                setup, itertools.chain(head, batches), skip, epoch, head_count
+            )
         yield from batches
         return
     stream = setup.base.for_epoch(epoch)
@@ -226,7 +225,9 @@ def _dispatch_base(
         indices = iter(stream)  # the user's own: one pass, head first
         if skip:
             head[:] = itertools.islice(indices, head_count)
-            _skip_exactly(setup, itertools.chain(head, indices), skip, epoch, head_count)
+            _skip_exactly(
+                setup, itertools.chain(head, indices), skip, epoch, head_count
+            )
     yield from read_batches(setup.inner, indices, batched=setup.base.batched)
 
 
