@@ -989,7 +989,9 @@ def test_gather_for_metrics_without_batch_is_an_error_on_every_rank(
     dist_results: Results, form: str
 ) -> None:
     world, _ = dist_results
-    kind, msg = on_every_rank(dist_results, f"metrics no batch {form}")
+    outcome = on_every_rank(dist_results, f"metrics no batch {form}")
+    assert isinstance(outcome, tuple), f"no error; gathered {outcome!r}"
+    kind, msg = outcome
     assert kind == "TypeError"
     assert msg.startswith(
         f"gather_for_metrics: batch= is missing; with num_processes={world} an "

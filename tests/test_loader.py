@@ -1381,11 +1381,13 @@ def _seams(ctx: DistributedContext) -> dict[str, Any]:
     # A generator given to the DataLoader.
     for seed in (4, 5):
         out[f"generator {seed}"] = _outcome(
-            lambda s=seed: shard_loader(
-                ctx,
-                DataLoader(
-                    Indexed(6), batch_size=2, shuffle=True, generator=_seeded(s)
-                ),
+            lambda s=seed: repr(
+                shard_loader(
+                    ctx,
+                    DataLoader(
+                        Indexed(6), batch_size=2, shuffle=True, generator=_seeded(s)
+                    ),
+                )
             )
         )
     # Resume states up to and past the end: ranks of different lengths (uneven),
@@ -1429,6 +1431,7 @@ def test_a_ported_loop_gets_the_right_numbers_or_an_error_on_every_rank(
     # The generator is refused on every rank, naming the seed to pass instead.
     for seed in (4, 5):
         for got in ranks:
+            assert isinstance(got[f"generator {seed}"], tuple), got[f"generator {seed}"]
             kind, message = got[f"generator {seed}"]
             assert kind == "ValueError"
             assert message.startswith(
