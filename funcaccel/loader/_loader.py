@@ -253,7 +253,7 @@ def shard_loader(
 
 
 def _skip(loader: ShardedLoader, state: LoaderState) -> int:
-    """Return how many of this rank's batches ``state`` has consumed (SPEC §4.1).
+    """Return how many of this rank's batches ``state`` has consumed.
 
     A state beyond the end of the epoch is a ``ValueError``; one exactly at its end
     (the epoch finished) skips everything.

@@ -121,7 +121,7 @@ def past_the_end(
     total: int | None,
     state: LoaderState | None = None,
 ) -> ValueError:
-    """The error for a resume state beyond the end of the epoch (SPEC §4.1)."""
+    """The error for a resume state beyond the end of the epoch."""
     size = "" if total is None else f" of {total} samples"
     named = "the state" if state is None else repr(state)
     return ValueError(
