@@ -12,6 +12,7 @@ import re
 from collections import OrderedDict
 from collections import defaultdict
 from collections.abc import Callable
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 from typing import NamedTuple
@@ -21,6 +22,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+from torch.utils.data import IterableDataset
 
 from funcaccel.collectives import broadcast
 from funcaccel.collectives import broadcast_object
@@ -32,6 +35,8 @@ from funcaccel.collectives import pad_tensor
 from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
+from funcaccel.loader import iter_batches
+from funcaccel.loader import shard_loader
 from tests._dist import run_ranks
 
 ONE = DistributedContext()
@@ -593,7 +598,7 @@ def _scenarios(ctx: DistributedContext, guard: float | None) -> dict[str, Any]:
         if case_world != world:
             continue
         mine = batches[rank]
-        for form in ("tensor", "dict", "objects", "use_gather_object", "no batch"):
+        for form in ("tensor", "dict", "objects", "use_gather_object", "batch=None"):
             got: list[Any] = []
             for step, rows in enumerate(mine):
                 batch = Batch(is_last=step == len(mine) - 1, remainder=remainder)
@@ -624,11 +629,67 @@ def _scenarios(ctx: DistributedContext, guard: float | None) -> dict[str, Any]:
                     )
                     got += [int(t) for t in items]
                 else:
-                    got += gather_for_metrics(ctx, tensor).tolist()
+                    got += gather_for_metrics(ctx, tensor, batch=None).tolist()
             out[f"metrics {name} {form}"] = got
     out["metrics bad object data"] = _checked(
-        lambda d: gather_for_metrics(ctx, d), {"s": "x"} if rank == 0 else ["x"]
+        lambda d: gather_for_metrics(ctx, d, batch=None),
+        {"s": "x"} if rank == 0 else ["x"],
     )
+    # gather_for_metrics without batch=: refused on every rank, before any exchange
+    # (a later collective still works, so nothing was left half-sent).
+    for form, data in (("tensor", torch.arange(3)), ("objects", ["a"])):
+        out[f"metrics no batch {form}"] = _checked(
+            lambda d: gather_for_metrics(ctx, d), data
+        )
+    out["metrics after no batch"] = gather(ctx, torch.tensor([rank]))
+    out["metrics loaders"] = _metrics_over_loaders(ctx)
+    return out
+
+
+class _Stream(IterableDataset[torch.Tensor]):
+    """The stream 0..n-1, without ``len()``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor(i) for i in range(self.n))
+
+
+# mode: the batch sizes tried with every n in 0..13. The two default paths (map-style
+# data, and dispatch for iterable data) get the whole grid; the others one size.
+LOADER_MODES: dict[str, tuple[int, ...]] = {
+    "map": (1, 2, 3, 4),
+    "dispatch": (1, 2, 3, 4),
+    "map split": (3,),
+    "iterable": (3,),
+    "stream": (3,),
+}
+
+
+def _metrics_over_loaders(ctx: DistributedContext) -> dict[str, list[int]]:
+    """Every case of ``LOADER_MODES``: the epoch that gather_for_metrics gives back.
+
+    A fixed grid rather than Hypothesis: every rank must run the same cases in the
+    same order, and each case costs a few collectives.
+    """
+    world = ctx.num_processes
+    out: dict[str, list[int]] = {}
+    for mode, sizes in LOADER_MODES.items():
+        for n in range(14):
+            for bs in sizes:
+                size = bs * world if mode == "map split" else bs
+                data: Any = list(range(n)) if mode.startswith("map") else _Stream(n)
+                loader = shard_loader(
+                    ctx,
+                    DataLoader(data, batch_size=size),
+                    split_batches=mode == "map split",
+                    dispatch_batches=mode == "dispatch",
+                )
+                got: list[int] = []
+                for batch in iter_batches(loader):
+                    got += gather_for_metrics(ctx, batch.data, batch=batch).tolist()
+                out[f"{mode} n={n} bs={size}"] = got
     return out
 
 
@@ -889,7 +950,7 @@ def test_pad_across_processes_random_shapes_match_numpy(dist_results: Results) -
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "form", ["tensor", "dict", "objects", "use_gather_object", "no batch"]
+    "form", ["tensor", "dict", "objects", "use_gather_object", "batch=None"]
 )
 def test_gather_for_metrics_drops_the_looped_back_samples(
     dist_results: Results, form: str
@@ -901,7 +962,7 @@ def test_gather_for_metrics_drops_the_looped_back_samples(
         got = on_every_rank(dist_results, f"metrics {name} {form}")
         if form == "objects":
             assert got == [f"s{v}" for v in epoch], name
-        elif form == "no batch":
+        elif form == "batch=None":
             steps = range(len(batches[0]))
             untrimmed = [v for i in steps for rank in batches for v in rank[i]]
             assert got == untrimmed, name
@@ -914,7 +975,7 @@ def test_gather_for_metrics_spec_last_batch(dist_results: Results) -> None:
     world, _ = dist_results
     if world == 2:
         # map-style n=10, bs=3: last global batch [6, 7, 8, 9, 0, 1] -> [6, 7, 8, 9]
-        assert on_every_rank(dist_results, "metrics map 10,3 no batch")[6:] == [
+        assert on_every_rank(dist_results, "metrics map 10,3 batch=None")[6:] == [
             6,
             7,
             8,
@@ -938,3 +999,39 @@ def test_gather_for_metrics_spec_last_batch(dist_results: Results) -> None:
     assert kind == "TypeError" and msg.startswith(
         "gather_for_metrics: data must be a list or tuple on every rank; got rank 0: dict"
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("form", ["tensor", "objects"])
+def test_gather_for_metrics_without_batch_is_an_error_on_every_rank(
+    dist_results: Results, form: str
+) -> None:
+    world, _ = dist_results
+    outcome = on_every_rank(dist_results, f"metrics no batch {form}")
+    assert isinstance(outcome, tuple), f"no error; gathered {outcome!r}"
+    kind, msg = outcome
+    assert kind == "TypeError"
+    assert msg.startswith(
+        f"gather_for_metrics: batch= is missing; with num_processes={world} an "
+        "evened-out loader repeats samples"
+    )
+    assert "pass batch=batch (the record, not batch.data)" in msg
+    assert "pass batch=None only when data holds no looped-back samples" in msg
+    assert on_every_rank(dist_results, "metrics after no batch").tolist() == list(
+        range(world)
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", list(LOADER_MODES))
+def test_gather_for_metrics_counts_every_sample_exactly_once(
+    dist_results: Results, mode: str
+) -> None:
+    """n in 0..13 (bs 1..4): the gathered epoch is 0..n-1, no duplicate, none lost."""
+    world, _ = dist_results
+    epochs = on_every_rank(dist_results, "metrics loaders")
+    cases = {k: v for k, v in epochs.items() if k.startswith(f"{mode} n=")}
+    assert len(cases) == 14 * len(LOADER_MODES[mode])
+    for name, got in cases.items():
+        n = int(name.split("n=")[1].split()[0])
+        assert got == list(range(n)), (world, name)

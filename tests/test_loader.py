@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections import OrderedDict
 from collections import defaultdict
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from hypothesis import assume
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity
@@ -380,6 +382,8 @@ def test_seeded_shuffle_matches_the_spec_example_and_torch() -> None:
 
     one = shard_loader(ctx_for(1), make(), seed=42)
     assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]
+    assert as_lists(list(iter_batches(one))) == [[6, 3], [0, 7], [2, 1], [4, 5]]
+    one.set_epoch(0)
     assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]  # replay
     two = [as_lists(records) for records in all_ranks(2, make, seed=42)]
     assert two == [[[6, 3], [2, 1]], [[0, 7], [4, 5]]]
@@ -403,10 +407,7 @@ def test_seeded_shuffle_draws_as_torch_random_sampler(
     sampler_options: dict[str, Any], epoch: int
 ) -> None:
     dataset = Indexed(9)
-    user_generator = torch.Generator()
-    user_generator.manual_seed(1234)
-    sampler = RandomSampler(dataset, generator=user_generator, **sampler_options)
-    before = user_generator.get_state()
+    sampler = RandomSampler(dataset, **sampler_options)
     loader = shard_loader(
         ctx_for(1), DataLoader(dataset, batch_size=4, sampler=sampler), seed=7
     )
@@ -417,7 +418,6 @@ def test_seeded_shuffle_draws_as_torch_random_sampler(
         for i in batch.data.tolist()
     ]
     assert got == seeded_order(9, 7 + epoch, **sampler_options)
-    assert torch.equal(user_generator.get_state(), before)  # not consumed
     assert len(loader) == -(-len(sampler) // 4)
 
 
@@ -433,16 +433,25 @@ def test_epoch_order_is_the_same_for_every_world_size() -> None:
         assert [i for r in rounds for batch in r for i in batch] == order
 
 
-def test_iteration_uses_loader_epoch_without_counting() -> None:
+def test_each_iteration_starts_the_next_epoch_as_a_dataloader_reshuffles() -> None:
     loader = shard_loader(
         ctx_for(1), DataLoader(Indexed(6), batch_size=6, shuffle=True), seed=3
     )
     assert loader.epoch == 0
-    first = [x.tolist() for x in loader]
-    assert [x.tolist() for x in loader] == first  # no automatic epoch counter
+    epochs = [[x.tolist() for x in loader] for _ in range(3)]
+    assert epochs == [[seeded_order(6, 3 + e)] for e in range(3)]
+    assert loader.epoch == 3
+    # iter_batches is a function of its arguments: it neither reads nor moves it.
+    assert as_lists(list(iter_batches(loader))) == epochs[0]
+    assert loader.epoch == 3
+    # The counter moves when an iteration starts, so a loop cut short (a break,
+    # a peek with next(iter(loader))) is still followed by a new order.
+    next(iter(loader))
+    assert loader.epoch == 4
     loader.set_epoch(4)
     assert loader.epoch == 4
     assert [x.tolist() for x in loader] == [seeded_order(6, 7)]
+    assert loader.epoch == 5
     with pytest.raises(
         ValueError, match=r"ShardedLoader.set_epoch: epoch must be >= 0; got -1"
     ):
@@ -451,6 +460,31 @@ def test_iteration_uses_loader_epoch_without_counting() -> None:
         TypeError, match=r"ShardedLoader.set_epoch: epoch must be an int; got '2'"
     ):
         loader.set_epoch("2")  # type: ignore[arg-type]
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(0, 5), st.just("break")), max_size=8))
+def test_drop_in_epochs_follow_one_counter(calls: list[int | str | None]) -> None:
+    """``None`` is a whole ``for`` loop, ``"break"`` a loop cut after one batch, and
+    an int a ``set_epoch``; a model counter predicts every order."""
+    loader = shard_loader(
+        ctx_for(2, 1), DataLoader(Indexed(8), batch_size=2, shuffle=True), seed=9
+    )
+    expected_epoch = 0
+    for call in calls:
+        if isinstance(call, int):
+            loader.set_epoch(call)
+            expected_epoch = call
+            continue
+        order = seeded_order(8, 9 + expected_epoch)
+        mine = [order[2:4], order[6:8]]  # rank 1 of 2
+        if call == "break":
+            for x in loader:
+                assert x.tolist() == mine[0]
+                break
+        else:
+            assert [x.tolist() for x in loader] == mine
+        expected_epoch += 1
+        assert loader.epoch == expected_epoch
 
 
 class EpochSampler(SequentialSampler):
@@ -602,16 +636,92 @@ def test_resume_continues_the_uninterrupted_epoch(kind: str, stop: int) -> None:
         _same_records(list(iter_batches(loader(rank), state)), full[stop:])
 
 
-def test_skip_applies_to_one_call_and_past_the_end_yields_nothing() -> None:
+def test_skip_applies_to_one_call_and_exactly_at_the_end_yields_nothing() -> None:
     loader = shard_loader(ctx_for(2, 0), DataLoader(Indexed(10), batch_size=2))
+    # 10 samples in global batches of 4: 3 global batches; 3 of them consumed is
+    # "epoch finished", which yields nothing.
     assert (
-        list(iter_batches(loader, LoaderState(global_batches=9, global_batch_size=4)))
+        list(iter_batches(loader, LoaderState(global_batches=3, global_batch_size=4)))
         == []
     )
     full = list(iter_batches(loader))
     assert full[-1].state == LoaderState(epoch=1)
     assert as_lists(list(iter_batches(loader, full[0].state))) == as_lists(full[1:])
     assert as_lists(list(iter_batches(loader, LoaderState(epoch=1)))) == as_lists(full)
+
+
+def past_the_end(state: LoaderState | None, skip: int, batches: int) -> str:
+    """The start of the error for a state ``skip`` global batches (of 4) in."""
+    named = "the state" if state is None else repr(state)
+    return re.escape(
+        f"iter_batches: {named} is {skip} global batches of 4 samples into epoch 0, "
+        f"past the end of the epoch: this loader's epoch has {batches} global batches "
+        "(len(loader) on rank 0). Resume from a state this loader saved (batch.state), "
+        f"from LoaderState(epoch=0, global_batches={batches}) at the most, or from "
+        "LoaderState(epoch=1) to start the next epoch."
+    )
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable", "stream"])
+def test_a_state_past_the_end_is_an_error_naming_it_and_the_length(kind: str) -> None:
+    # 10 samples, bs=2, 2 ranks: G=4, 3 global batches per epoch.
+    for rank in (0, 1):
+        loader = shard_loader(
+            ctx_for(2, rank),
+            DataLoader(make_data(kind, 10), batch_size=2),
+            dispatch_batches=False,
+        )
+        at_end = LoaderState(global_batches=3, global_batch_size=4)
+        assert list(iter_batches(loader, at_end)) == []  # the epoch finished
+        beyond = LoaderState(global_batches=4, global_batch_size=4)
+        # Sized data is refused at the call; an unsized stream once the skip finds
+        # it ended early.
+        named = None if kind == "stream" else beyond
+        with pytest.raises(ValueError, match=past_the_end(named, 4, 3)):
+            list(iter_batches(loader, beyond))
+        # Counted in another G: 4 global batches of 2 samples are 2 of 4, within.
+        assert len(list(iter_batches(loader, replace_g(beyond, 2)))) == 1
+
+
+def replace_g(state: LoaderState, size: int) -> LoaderState:
+    return dataclasses.replace(state, global_batch_size=size)
+
+
+@given(
+    kind=st.sampled_from(["map", "iterable", "stream"]),
+    n=st.integers(0, 13),
+    bs=st.integers(1, 4),
+    p=st.integers(1, 3),
+    even_batches=st.booleans(),
+    drop_last=st.booleans(),
+    extra=st.integers(-3, 3),
+)
+def test_resume_raises_past_the_end_and_yields_the_rest_up_to_it(
+    kind: str,
+    n: int,
+    bs: int,
+    p: int,
+    even_batches: bool,
+    drop_last: bool,
+    extra: int,
+) -> None:
+    def make() -> DataLoader[torch.Tensor]:
+        return DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last)
+
+    options: dict[str, Any] = {"even_batches": even_batches, "dispatch_batches": False}
+    full = all_ranks(p, make, **options)
+    epoch = max(len(batches) for batches in full)  # global batches: rank 0's count
+    consumed = epoch + extra
+    assume(consumed >= 0)
+    state = LoaderState(global_batches=consumed, global_batch_size=bs * p)
+    for rank in range(p):
+        loader = shard_loader(ctx_for(p, rank), make(), **options)
+        if consumed > epoch:
+            with pytest.raises(ValueError, match=r"past the end of the epoch"):
+                list(iter_batches(loader, state))
+        else:
+            resumed = list(iter_batches(loader, state))
+            assert as_lists(resumed) == as_lists(full[rank][consumed:])
 
 
 @st.composite
@@ -792,18 +902,10 @@ def test_batch_state_after_each_batch() -> None:
 
 def test_the_callers_loader_sampler_and_lists_are_not_modified() -> None:
     dataset = Indexed(10)
-    generator = torch.Generator()
-    generator.manual_seed(3)
-    loader_generator = torch.Generator()
-    loader_generator.manual_seed(4)
-    dataloader = DataLoader(
-        dataset, batch_size=3, shuffle=True, generator=loader_generator
-    )
+    dataloader = DataLoader(dataset, batch_size=3, shuffle=True)
     attributes = dict(vars(dataloader))
     sampler_attributes = dict(vars(dataloader.sampler))
     batch_sampler = dataloader.batch_sampler
-    assert dataloader.sampler.generator is loader_generator  # type: ignore[attr-defined]
-    state = loader_generator.get_state()
     rng_types: list[Any] = ["generator"]
     for rank in range(2):
         loader = shard_loader(ctx_for(2, rank), dataloader, rng_types=rng_types)
@@ -813,7 +915,6 @@ def test_the_callers_loader_sampler_and_lists_are_not_modified() -> None:
     assert vars(dataloader) == attributes
     assert vars(dataloader.sampler) == sampler_attributes
     assert dataloader.batch_sampler is batch_sampler
-    assert torch.equal(loader_generator.get_state(), state)  # not consumed
     assert isinstance(loader.rng_types, tuple) and loader.rng_types == ("generator",)
 
 
@@ -1084,6 +1185,68 @@ def test_shard_loader_rejects_bad_arguments(
         shard_loader(call.pop("ctx"), call.pop("dataloader"), **call)
 
 
+def _seeded(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize(
+    ("make", "owner"),
+    [
+        (lambda g: {"shuffle": True, "generator": g}, "the DataLoader"),
+        (lambda g: {"generator": g}, "the DataLoader"),  # it would seed the workers
+        (
+            lambda g: {"sampler": RandomSampler(range(6), generator=g)},
+            "the DataLoader's RandomSampler",
+        ),
+    ],
+    ids=["shuffle", "sequential", "sampler"],
+)
+def test_a_generator_the_loader_would_ignore_is_refused(
+    make: Any, owner: str, p: int
+) -> None:
+    for seed in (4, 5):  # two seeds must not silently give one order
+        generator = _seeded(seed)
+        state = generator.get_state()
+        options = make(generator)
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"shard_loader: {owner} has a generator (initial seed {seed}), which "
+                "a sharded loader does not use: it draws each epoch's order, and the "
+                "workers' base seed, from seed + epoch, so that every rank and world "
+                "size agree. Drop generator= there and pass the seed to shard_loader "
+                f"instead (seed={seed})."
+            ),
+        ):
+            shard_loader(ctx_for(p), DataLoader(Indexed(6), batch_size=2, **options))
+        assert torch.equal(generator.get_state(), state)  # not consumed
+
+
+def test_a_generator_seed_too_large_for_seed_is_not_suggested() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"pass the seed to shard_loader instead \(a seed below 2\*\*63\)",
+    ):
+        shard_loader(
+            ctx_for(1),
+            DataLoader(
+                Indexed(6), batch_size=2, shuffle=True, generator=_seeded(2**63)
+            ),
+        )
+
+
+def test_a_custom_sampler_keeps_its_own_generator() -> None:
+    sampler = SubsetRandomSampler(list(range(6)), generator=_seeded(3))
+    loader = shard_loader(
+        ctx_for(1), DataLoader(Indexed(6), batch_size=6, sampler=sampler)
+    )
+    expected = list(SubsetRandomSampler(list(range(6)), generator=_seeded(3)))
+    assert [x.tolist() for x in loader] == [expected]
+
+
 def test_iter_batches_rejects_bad_arguments() -> None:
     loader = shard_loader(ctx_for(1), DataLoader(Indexed(4), batch_size=2))
     with pytest.raises(
@@ -1192,6 +1355,126 @@ def test_rng_sync_and_worker_processes_over_gloo(tmp_path: Path) -> None:
         [order[3:6], [order[9], *order[0:2]]],
     ]
     assert [rank0["workers"], rank1["workers"]] == expected
+
+
+def _outcome(call: Any) -> Any:
+    """``call()``'s value, or the type and text of the error it raised."""
+    try:
+        return call()
+    except (TypeError, ValueError, RuntimeError) as error:
+        return (type(error).__name__, str(error))
+
+
+def _seams(ctx: DistributedContext) -> dict[str, Any]:
+    """What a script ported from Accelerate could get silently wrong, per rank."""
+    world = ctx.num_processes
+    out: dict[str, Any] = {}
+    # Drop-in iteration over epochs, as in `for epoch in range(3): for x in loader`.
+    shuffled = shard_loader(
+        ctx,
+        DataLoader(Indexed(10), batch_size=2, shuffle=True),
+        seed=7,
+        rng_types=["torch"],
+    )
+    out["epochs"] = [[x.tolist() for x in shuffled] for _ in range(3)]
+    out["epoch after"] = shuffled.epoch
+    # A generator given to the DataLoader.
+    for seed in (4, 5):
+        out[f"generator {seed}"] = _outcome(
+            lambda s=seed: repr(
+                shard_loader(
+                    ctx,
+                    DataLoader(
+                        Indexed(6), batch_size=2, shuffle=True, generator=_seeded(s)
+                    ),
+                )
+            )
+        )
+    # Resume states up to and past the end: ranks of different lengths (uneven),
+    # an unsized stream that rank 0 dispatches, and sized data rank 0 dispatches.
+    loaders = {
+        "uneven": shard_loader(
+            ctx, DataLoader(Indexed(7), batch_size=2), even_batches=False
+        ),
+        "dispatch stream": shard_loader(ctx, DataLoader(Stream(10), batch_size=2)),
+        "dispatch sized": shard_loader(
+            ctx, DataLoader(Indexed(10), batch_size=2), dispatch_batches=True
+        ),
+    }
+    for name, loader in loaders.items():
+        for consumed in range(5):
+            state = LoaderState(global_batches=consumed, global_batch_size=2 * world)
+            out[f"{name} {consumed}"] = _outcome(
+                lambda lo=loader, st=state: as_lists(list(iter_batches(lo, st)))
+            )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_ported_loop_gets_the_right_numbers_or_an_error_on_every_rank(
+    world: int, tmp_path: Path
+) -> None:
+    ranks = run_ranks(_seams, world, tmp_path)
+
+    def make() -> DataLoader[torch.Tensor]:
+        return DataLoader(Indexed(10), batch_size=2, shuffle=True)
+
+    # Each `for` loop is the next epoch: the order iter_batches gives epoch e.
+    for epoch in range(3):
+        expected = all_ranks(world, make, LoaderState(epoch=epoch), seed=7)
+        for rank, got in enumerate(ranks):
+            assert got["epochs"][epoch] == as_lists(expected[rank]), (rank, epoch)
+    first = [got["epochs"] for got in ranks]
+    assert first[0][0] != first[0][1] != first[0][2] != first[0][0]
+    assert all(got["epoch after"] == 3 for got in ranks)
+    # The generator is refused on every rank, naming the seed to pass instead.
+    for seed in (4, 5):
+        for got in ranks:
+            assert isinstance(got[f"generator {seed}"], tuple), got[f"generator {seed}"]
+            kind, message = got[f"generator {seed}"]
+            assert kind == "ValueError"
+            assert message.startswith(
+                f"shard_loader: the DataLoader has a generator (initial seed {seed}), "
+                "which a sharded loader does not use"
+            )
+            assert message.endswith(f"(seed={seed}).")
+    # Resume: up to the end, the rest of the uninterrupted epoch; past it, an error
+    # on every rank.
+    sizes = {"uneven": 7, "dispatch stream": 10, "dispatch sized": 10}
+    lengths = {
+        "uneven": -(-4 // world),  # 4 base batches, rank 0 has the most
+        "dispatch stream": -(-5 // world),  # 5 base batches, p per global batch
+        "dispatch sized": -(-5 // world),
+    }
+    for name, length in lengths.items():
+        n = sizes[name]
+        for consumed in range(5):
+            outcomes = [got[f"{name} {consumed}"] for got in ranks]
+            if consumed <= length:
+                assert all(isinstance(o, list) for o in outcomes), (name, outcomes)
+                if name == "uneven":
+                    full = all_ranks(
+                        world,
+                        lambda: DataLoader(Indexed(n), batch_size=2),
+                        even_batches=False,
+                    )
+                    assert outcomes == [as_lists(r[consumed:]) for r in full]
+                continue
+            state = LoaderState(global_batches=consumed, global_batch_size=2 * world)
+            named = "the state" if name == "dispatch stream" else repr(state)
+            expected_text = (
+                f"iter_batches: {named} is {consumed} global batches of {2 * world} "
+                f"samples into epoch 0, past the end of the epoch: this loader's "
+                f"epoch has {length} global batches (len(loader) on rank 0)."
+            )
+            for rank, outcome in enumerate(outcomes):
+                kind, message = outcome
+                # Dispatch: rank 0 finds the end while reading and raises; the
+                # others get its error as a RuntimeError instead of waiting.
+                relayed = name == "dispatch stream" and rank > 0
+                assert kind == ("RuntimeError" if relayed else "ValueError")
+                assert expected_text in message, (name, rank, message)
 
 
 class WorkerSeed(Dataset[int]):

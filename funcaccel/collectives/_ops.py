@@ -17,11 +17,13 @@ that made it, within that bound (see ``guard_collective``).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any
 from typing import Final
 from typing import Literal
 from typing import Protocol
+from typing import TypeAlias
 from typing import TypeVar
 from typing import overload
 
@@ -75,6 +77,26 @@ class BatchInfo(Protocol):
     def remainder(self) -> int:
         """Real samples in the epoch's last global batch; 0 if full, -1 if dropped."""
         ...
+
+
+class _Missing(enum.Enum):
+    """The type of ``gather_for_metrics``'s default ``batch``: not passed at all."""
+
+    BATCH = "batch not passed"
+
+
+_BatchArg: TypeAlias = BatchInfo | None | _Missing
+"""What ``gather_for_metrics`` accepts as ``batch``: a record, or an explicit ``None``."""
+
+_NOT_PASSED: Final = _Missing.BATCH
+_MSG_NO_BATCH: Final = (
+    "gather_for_metrics: batch= is missing; with num_processes={p} an evened-out "
+    "loader repeats samples from the epoch's start in its last batch, and only the "
+    "batch record says how many to drop. Iterate with `for batch in "
+    "iter_batches(loader, state)` and pass batch=batch (the record, not "
+    "batch.data); pass batch=None only when data holds no looped-back samples "
+    "(drop_last, even_batches=False, or data not read from a sharded loader)."
+)
 
 
 def _check_from_process(
@@ -295,9 +317,16 @@ def pad_across_processes(
     return rebuild(data, out)
 
 
-def _check_batch(batch: BatchInfo | None) -> None:
+def _check_batch(ctx: DistributedContext, batch: _BatchArg) -> BatchInfo | None:
+    """Return ``batch`` as a record or ``None``; refuse a missing one at ``p > 1``."""
+    if batch is _NOT_PASSED:
+        # Every rank runs the same call, so every rank raises here, before any
+        # collective: no rank is left waiting.
+        if ctx.num_processes > 1:
+            raise TypeError(_MSG_NO_BATCH.format(p=ctx.num_processes))
+        return None  # one process: nothing is ever looped back
     if batch is None:
-        return
+        return None
     is_last = getattr(batch, "is_last", None)
     remainder = getattr(batch, "remainder", None)
     if (
@@ -310,6 +339,7 @@ def _check_batch(batch: BatchInfo | None) -> None:
     if remainder < -1:
         msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}; pass the record iter_batches yields."
         raise ValueError(msg)
+    return batch
 
 
 @overload
@@ -317,7 +347,7 @@ def gather_for_metrics(
     ctx: DistributedContext,
     data: torch.Tensor,
     *,
-    batch: BatchInfo | None = ...,
+    batch: _BatchArg = ...,
     use_gather_object: bool = ...,
 ) -> torch.Tensor: ...
 @overload
@@ -325,7 +355,7 @@ def gather_for_metrics(
     ctx: DistributedContext,
     data: list[T],
     *,
-    batch: BatchInfo | None = ...,
+    batch: _BatchArg = ...,
     use_gather_object: bool = ...,
 ) -> list[T]: ...
 @overload
@@ -333,7 +363,7 @@ def gather_for_metrics(
     ctx: DistributedContext,
     data: tuple[T, ...],
     *,
-    batch: BatchInfo | None = ...,
+    batch: _BatchArg = ...,
     use_gather_object: bool = ...,
 ) -> tuple[T, ...] | list[T]: ...
 @overload
@@ -341,39 +371,58 @@ def gather_for_metrics(
     ctx: DistributedContext,
     data: M,
     *,
-    batch: BatchInfo | None = ...,
+    batch: _BatchArg = ...,
     use_gather_object: bool = ...,
 ) -> M: ...
 def gather_for_metrics(
     ctx: DistributedContext,
     data: object,
     *,
-    batch: BatchInfo | None = None,
+    batch: _BatchArg = _NOT_PASSED,
     use_gather_object: bool = False,
 ) -> object:
     """Gather ``data`` from every rank, then drop the epoch's looped-back duplicates.
 
     Objects are gathered as by ``gather_object`` (``data`` must then be a list or
     tuple) when ``use_gather_object`` is true or any leaf is not a tensor, on any
-    rank; otherwise tensors as by ``gather``. When ``batch.is_last`` and ``batch.remainder > 0`` only the
-    first ``remainder`` items (of the flat list) or rows (of every leaf) are kept.
-    With 2 ranks, ``n=10``, ``bs=3``, the last batch is ``[6, 7, 8]`` on rank 0 and
-    ``[9, 0, 1]`` on rank 1 with ``remainder=4``: both get ``[6, 7, 8, 9]``.
-    With one process ``data`` is returned as it is.
+    rank; otherwise tensors as by ``gather``. When ``batch.is_last`` and
+    ``batch.remainder > 0`` only the first ``remainder`` items (of the flat list) or
+    rows (of every leaf) are kept. With 2 ranks, ``n=10``, ``bs=3``, the last batch
+    is ``[6, 7, 8]`` on rank 0 and ``[9, 0, 1]`` on rank 1 with ``remainder=4``:
+    both get ``[6, 7, 8, 9]``. With one process ``data`` is returned as it is.
+
+    ``batch`` has no silent default: with several processes, leaving it out is a
+    ``TypeError`` (on every rank, before anything is sent), because only the
+    record knows how many samples of the last batch were looped back. Pass
+    ``batch=None`` to say that ``data`` holds no duplicates (nothing is trimmed).
+    With one process nothing is ever looped back, so it may be left out.
+
+    Args:
+        ctx: This process's context.
+        data: A tensor, a nested list / tuple / dict of tensors, or (object path)
+            a list or tuple of picklable items.
+        batch: The ``Batch`` record ``iter_batches`` yielded for ``data`` (any
+            object with ``is_last: bool`` and ``remainder: int``), or ``None``
+            when ``data`` holds no looped-back samples.
+        use_gather_object: Gather ``data`` as objects even if it holds only tensors.
+
+    Returns:
+        Every rank's ``data``, concatenated in rank order, without the duplicates.
 
     Raises:
-        TypeError: ``batch`` lacks ``is_last``/``remainder``, or the object path gets
-            data that is not a list or tuple.
+        TypeError: ``batch`` not passed with several processes; ``batch`` lacks
+            ``is_last``/``remainder``; or the object path gets data that is not a
+            list or tuple.
         ValueError: ``batch.remainder < -1``, or as ``gather``.
         RuntimeError: no process group matches ``ctx``, or (with
             ``ctx.collective_timeout``) not every rank reached this call.
     """
     caller = "gather_for_metrics"
     require_process_group(ctx, caller)
-    _check_batch(batch)
+    record = _check_batch(ctx, batch)
     limit = None
-    if batch is not None and batch.is_last and batch.remainder > 0:
-        limit = batch.remainder
+    if record is not None and record.is_last and record.remainder > 0:
+        limit = record.remainder
     objects = use_gather_object or not is_tensor_tree(data)
     if ctx.num_processes == 1:
         if objects:

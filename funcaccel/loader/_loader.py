@@ -37,8 +37,10 @@ from funcaccel.loader._state import START
 from funcaccel.loader._state import Batch
 from funcaccel.loader._state import LoaderState
 from funcaccel.loader._state import check_count
+from funcaccel.loader._stream import epoch_length
 from funcaccel.loader._stream import length
 from funcaccel.loader._stream import local_batches
+from funcaccel.loader._stream import past_the_end
 from funcaccel.loader._stream import records
 
 __all__ = [
@@ -56,9 +58,12 @@ class ShardedLoader:
     """This rank's share of a ``DataLoader``; build it with ``shard_loader``.
 
     Iterating it (``for x in loader``) yields the batch data of epoch
-    ``loader.epoch``, like a ``DataLoader``; ``iter_batches`` yields records with
-    the position in the epoch and can resume. ``set_epoch`` is the one method that
-    changes the loader, as with torch's ``DistributedSampler``.
+    ``loader.epoch`` and moves ``loader.epoch`` on by one, so each new ``for`` loop
+    iterates the next epoch (reshuffled, from ``seed + epoch``), as a
+    ``DataLoader`` reshuffles on each ``iter()``. That counter is the loader's one
+    piece of state; ``set_epoch`` sets it, as with Accelerate's loaders and torch's
+    ``DistributedSampler``. ``iter_batches`` yields records with the position in
+    the epoch, can resume, and neither reads nor moves the counter.
     """
 
     __slots__ = ("_epoch", "_setup")
@@ -119,11 +124,13 @@ class ShardedLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch ``iter(loader)`` iterates (0 until ``set_epoch``)."""
+        """The epoch the next ``iter(loader)`` iterates (0, then +1 per ``iter``)."""
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make ``iter(loader)`` iterate ``epoch``; changes this loader in place.
+        """Make the next ``iter(loader)`` iterate ``epoch``; changes this loader in place.
+
+        The ``for`` loops after it iterate ``epoch + 1``, ``epoch + 2``, ...
 
         Raises:
             TypeError: ``epoch`` is not an int.
@@ -143,10 +150,16 @@ class ShardedLoader:
         return length(self._setup)
 
     def __iter__(self) -> Iterator[Any]:
-        setup = self._setup
+        """Iterate epoch ``self.epoch`` and move the counter on to the next epoch.
+
+        The counter moves when the iteration starts, not when it ends, so a loop
+        that breaks early is still followed by a new epoch's order.
+        """
+        setup, epoch = self._setup, self._epoch
+        self._epoch = epoch + 1
         if setup.dispatch:
-            return (batch.data for batch in records(setup, self._epoch, 0))
-        return local_batches(setup, self._epoch)
+            return (batch.data for batch in records(setup, epoch, 0))
+        return local_batches(setup, epoch)
 
     def __repr__(self) -> str:
         return (
@@ -248,10 +261,25 @@ def shard_loader(
 def _skip(loader: ShardedLoader, state: LoaderState) -> int:
     """Return how many of this rank's batches ``state`` has consumed.
 
+    A state beyond the end of the epoch is a ``ValueError``; one exactly at its end
+    (the epoch finished) skips everything.
+
     The rules: docs/loader.md#semantics-resuming-from-a-loaderstate.
     """
     if state.global_batches == 0:
         return 0
+    skip = _consumed(loader, state)
+    try:
+        batches = epoch_length(loader._setup)
+    except TypeError:
+        return skip  # unsized: checked while the skipped batches are read
+    if skip > batches:
+        total = loader.total_batch_size
+        raise past_the_end(state.epoch, skip, batches, total, state)
+    return skip
+
+
+def _consumed(loader: ShardedLoader, state: LoaderState) -> int:
     total = loader.total_batch_size
     if total is None:
         if state.global_batch_size:

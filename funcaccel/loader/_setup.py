@@ -150,6 +150,35 @@ def _check_rng_types(rng_types: object, ctx: DistributedContext) -> tuple[RngTyp
     return tuple(names)
 
 
+def _unused_generator(owner: str, generator: torch.Generator) -> ValueError:
+    seed = generator.initial_seed()
+    example = f"seed={seed}" if seed < 2**63 else "a seed below 2**63"
+    return ValueError(
+        f"{_WHERE}: {owner} has a generator (initial seed {seed}), which a sharded "
+        "loader does not use: it draws each epoch's order, and the workers' base "
+        "seed, from seed + epoch, so that every rank and world size agree. Drop "
+        f"generator= there and pass the seed to shard_loader instead ({example})."
+    )
+
+
+def _check_no_generator(dataloader: DataLoader[Any]) -> None:
+    """Refuse a generator the loader would ignore, rather than ignore it silently."""
+    if isinstance(dataloader.generator, torch.Generator):
+        raise _unused_generator("the DataLoader", dataloader.generator)
+    batch_sampler: Any = dataloader.batch_sampler
+    sampler: Any = (
+        dataloader.sampler
+        if batch_sampler is None
+        else getattr(batch_sampler, "sampler", None)
+    )
+    # Only the RandomSampler that _base_indices replaces; a custom sampler keeps
+    # (and draws from) its own generator.
+    replaced = batch_sampler is None or type(batch_sampler) is BatchSampler
+    generator = getattr(sampler, "generator", None)
+    if replaced and type(sampler) is RandomSampler and generator is not None:
+        raise _unused_generator("the DataLoader's RandomSampler", generator)
+
+
 def _original_batch_size(dataloader: DataLoader[Any]) -> int | None:
     if dataloader.batch_size is not None:
         return dataloader.batch_size
@@ -237,6 +266,7 @@ def build_setup(
     }
     _check_types(ctx, dataloader, flags, dispatch_batches, seed, slice_fn)
     rngs = _check_rng_types(rng_types, ctx)
+    _check_no_generator(dataloader)
     dataset: Any = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
     if dispatch_batches and not put_on_device:

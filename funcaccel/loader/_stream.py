@@ -23,11 +23,19 @@ from funcaccel.loader._reading import fetch_batch
 from funcaccel.loader._reading import read_batches
 from funcaccel.loader._setup import Setup
 from funcaccel.loader._state import Batch
+from funcaccel.loader._state import LoaderState
 from funcaccel.loader._state import make_batch
 from funcaccel.rng import sync_rng_states
 from funcaccel.sharding import shard_batch_sampler
 
-__all__ = ["length", "local_batches", "open_epoch", "records"]
+__all__ = [
+    "epoch_length",
+    "length",
+    "local_batches",
+    "open_epoch",
+    "past_the_end",
+    "records",
+]
 
 _END: Final = object()
 
@@ -39,12 +47,13 @@ def _unsized(what: object) -> TypeError:
     )
 
 
-def length(setup: Setup) -> int:
-    """Return ``len(loader)``: batches this rank yields per epoch.
+def length(setup: Setup, rank: int | None = None) -> int:
+    """Return ``len(loader)``: batches rank ``rank`` (default: this one) yields per epoch.
 
     The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
     """
     ctx, bs, drop_last = setup.ctx, setup.batch_size, setup.drop_last
+    rank = ctx.process_index if rank is None else rank
     p = ctx.num_processes
     if setup.base is not None:
         stream = setup.base.for_length()
@@ -54,7 +63,7 @@ def length(setup: Setup) -> int:
             shard = shard_batch_sampler(
                 stream,
                 num_processes=p,
-                process_index=ctx.process_index,
+                process_index=rank,
                 split_batches=setup.split_batches,
                 even_batches=setup.even_batches,
             )
@@ -70,6 +79,14 @@ def length(setup: Setup) -> int:
     if p == 1 or setup.split_batches:
         return k
     return k // p if drop_last else -(-k // p)
+
+
+def epoch_length(setup: Setup) -> int:
+    """Return the global batches per epoch: ``len(loader)`` on rank 0, the longest.
+
+    The same on every rank; with ``even_batches=False`` other ranks may yield fewer.
+    """
+    return length(setup, 0)
 
 
 def _epoch_samples(setup: Setup) -> int | None:
@@ -100,8 +117,44 @@ def _start_epoch(setup: Setup, epoch: int) -> None:
         target.set_epoch(epoch)
 
 
-def _consume(iterator: Iterator[Any], count: int) -> None:
-    next(itertools.islice(iterator, count, count), None)
+def _consume(iterator: Iterator[Any], count: int) -> int:
+    """Drop the next ``count`` items of ``iterator``; return how many there were."""
+    return sum(1 for _ in itertools.islice(iterator, count))
+
+
+def past_the_end(
+    epoch: int,
+    skip: int,
+    batches: int,
+    total: int | None,
+    state: LoaderState | None = None,
+) -> ValueError:
+    """The error for a resume state beyond the end of the epoch."""
+    size = "" if total is None else f" of {total} samples"
+    named = "the state" if state is None else repr(state)
+    return ValueError(
+        f"iter_batches: {named} is {skip} global batches{size} into epoch {epoch}, "
+        f"past the end of the epoch: this loader's epoch has {batches} global "
+        f"batches (len(loader) on rank 0). Resume from a state this loader saved "
+        f"(batch.state), from LoaderState(epoch={epoch}, global_batches={batches}) "
+        f"at the most, or from LoaderState(epoch={epoch + 1}) to start the next epoch."
+    )
+
+
+def _skip_exactly(
+    setup: Setup, iterator: Iterator[Any], skip: int, epoch: int, group: int = 1
+) -> None:
+    """Drop this rank's first ``skip`` items; a stream that ends first is an error.
+
+    The up-front check of ``iter_batches`` needs ``len()``; an unsized stream is
+    checked here, while it is read. ``group`` items make one global batch (the
+    last one may be short unless ``drop_last``), and ``skip`` is a multiple of it.
+    """
+    dropped = _consume(iterator, skip)
+    if dropped < skip:
+        batches = dropped // group if setup.drop_last else -(-dropped // group)
+        if batches < skip // group:
+            raise past_the_end(epoch, skip // group, batches, setup.total_batch_size)
 
 
 def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
@@ -117,7 +170,7 @@ def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
     assert setup.inner is not None  # only dispatch ranks > 0 have none
     if setup.base is None:
         batches = iter(setup.inner)
-        _consume(batches, skip)
+        _skip_exactly(setup, batches, skip, epoch)
         return batches
     ctx, stream = setup.ctx, setup.base.for_epoch(epoch)
     indices: Iterator[Any]
@@ -167,7 +220,9 @@ def _dispatch_base(
         batches = iter(setup.inner)
         if skip:
             head[:] = itertools.islice(batches, head_count)
-            _consume(batches, skip - len(head))
+            _skip_exactly(
+                setup, itertools.chain(head, batches), skip, epoch, head_count
+            )
         yield from batches
         return
     stream = setup.base.for_epoch(epoch)
@@ -180,7 +235,9 @@ def _dispatch_base(
         indices = iter(stream)  # the user's own: one pass, head first
         if skip:
             head[:] = itertools.islice(indices, head_count)
-            _consume(indices, skip - len(head))
+            _skip_exactly(
+                setup, itertools.chain(head, indices), skip, epoch, head_count
+            )
     yield from read_batches(setup.inner, indices, batched=setup.base.batched)
 
 
