@@ -17,6 +17,7 @@ communicate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Final
 from typing import Literal
 from typing import TypedDict
@@ -49,6 +50,7 @@ class ContextFields(TypedDict, total=False):
     distributed_type: DistributedType
     mixed_precision: Literal["no", "fp16", "bf16"]
     backend: str | None
+    collective_timeout: timedelta | float | None
 
 
 _FIELDS: Final = frozenset(ContextFields.__annotations__)
@@ -63,7 +65,7 @@ def rank_ctx(
     CPU: ``local_process_index=process_index``; with several processes
     ``distributed_type=MULTI_CPU`` and ``backend="gloo"``, with one ``NO`` and
     ``None``. ``fields`` override any of them (and ``device``,
-    ``mixed_precision``).
+    ``mixed_precision``, ``collective_timeout``).
 
     With ``num_processes=2``, ``rank_ctx(2, 0)`` is the main process and
     ``rank_ctx(2, 1)`` the last one; ``shard_loader(rank_ctx(2, 1), loader)``
@@ -96,6 +98,7 @@ def rank_ctx(
         distributed_type=fields.get("distributed_type", kind),
         mixed_precision=fields.get("mixed_precision", "no"),
         backend=fields.get("backend", "gloo" if several else None),
+        collective_timeout=fields.get("collective_timeout"),
     )
 
 

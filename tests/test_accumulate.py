@@ -39,7 +39,6 @@ from funcaccel.accumulate import should_sync
 from funcaccel.accumulate import sync_ctx
 from funcaccel.accumulate import window_grad_factor
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.mixed_precision import build_grad_scaler
@@ -48,6 +47,7 @@ from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
 from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
 F64 = torch.float64
@@ -423,9 +423,7 @@ def test_should_sync_and_window_factor() -> None:
         should_sync(3)  # type: ignore[arg-type]
 
 
-TWO = DistributedContext(
-    num_processes=2, process_index=1, distributed_type=DistributedType.MULTI_CPU
-)
+TWO = rank_ctx(2, 1)
 
 
 @pytest.mark.parametrize(
@@ -1044,16 +1042,17 @@ def _run_case(ctx: DistributedContext, case: Case) -> dict[str, Any]:
             ctx, grad, model, opt, _loss_fn(model, x[idx], y[idx]),
             end_of_dataloader=j == case.steps - 1, max_grad_norm=case.max_grad_norm,
         )  # fmt: skip
-        local = (
-            []
-            if grad.sync_gradients or case.wrap != "ddp"
-            else [_full(q.grad) for q in model.parameters() if q.grad is not None]
+        # The gradients left after the micro-step (DDP only; FSDP2 shards them).
+        grads = (
+            [_full(q.grad) for q in model.parameters() if q.grad is not None]
+            if case.wrap == "ddp"
+            else []
         )
         rows.append(
             {
                 "synced": grad.sync_gradients,
                 "allreduces": len(calls) - before,
-                "local": local,
+                "grads": grads,
             }
         )
     return {
@@ -1111,7 +1110,7 @@ def _scenarios(ctx: DistributedContext, cases: list[Case]) -> dict[str, Any]:
 
 CASES: dict[int, list[Case]] = {
     2: [
-        Case("ddp", steps=5, bs=1, k=2),  # SPEC: n=10, bs=1, k=2
+        Case("ddp", steps=5, bs=1, k=2),  # n=10, bs=1, k=2 in docs/accumulate.md
         Case("ddp", steps=7, bs=1, k=3),
         Case("ddp", steps=5, bs=2, k=3),
         Case("ddp", steps=7, bs=1, k=3, sync_each_batch=True),
@@ -1164,60 +1163,98 @@ def test_distributed_accumulation_equals_one_process_on_global_windows(
             _close(result["params"], want_params, 1e-10)
 
 
+def _want_synced(case: Case) -> list[bool]:
+    """Whether each micro-step must sync: the k-th of its window, or the last."""
+    return [(j + 1) % case.k == 0 or j == case.steps - 1 for j in range(case.steps)]
+
+
 @pytest.mark.distributed
 def test_ddp_all_reduces_only_on_sync_micro_steps(
     distributed: tuple[int, list[dict[str, Any]]],
 ) -> None:
     world, ranks = distributed
-    for n_case, case in enumerate(CASES[world]):
-        if case.wrap != "ddp":
-            continue
+    ddp_cases = [(n, case) for n, case in enumerate(CASES[world]) if case.wrap == "ddp"]
+    assert ddp_cases
+    for n_case, case in ddp_cases:
+        want = _want_synced(case)
+        assert sum(want) == math.ceil(case.steps / case.k) and not all(want)
         for rank in ranks:
             rows = rank["cases"][n_case]["rows"]
-            for row in rows:
-                if row["synced"] or case.sync_each_batch:
+            assert [row["synced"] for row in rows] == want
+            for synced, row in zip(want, rows, strict=True):
+                if synced or case.sync_each_batch:
                     assert row["allreduces"] >= 1
                 else:
                     assert row["allreduces"] == 0
-            assert sum(r["synced"] for r in rows) == math.ceil(case.steps / case.k)
+
+
+def _clipped(grads: list[torch.Tensor], max_norm: float | None) -> list[torch.Tensor]:
+    """``grads`` as ``clip_grad_norm_(..., max_norm)`` leaves them."""
+    if max_norm is None:
+        return grads
+    total = torch.cat([g.flatten() for g in grads]).norm()
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * factor for g in grads]
 
 
 @pytest.mark.distributed
-def test_ddp_intermediate_gradients_are_local(
+def test_ddp_gradients_are_local_between_syncs_and_all_reduced_on_sync(
     distributed: tuple[int, list[dict[str, Any]]],
 ) -> None:
-    # SPEC, two ranks, n=10, bs=1, k=2: after micro-step 1 of a window rank 0 holds
-    # g(0)/2 and rank 1 g(1)/2 (then g(4)/2, g(5)/2); after micro-step 2 both step
-    # with (g(0)+g(2)+g(1)+g(3))/4. Generally: the rank's own sum / k so far.
+    # docs/accumulate.md, 'Semantics: gradient accumulation', two ranks, n=10, bs=1,
+    # k=2: after micro-step 1 of a window rank 0 holds g(0)/2 and rank 1 g(1)/2
+    # (then g(4)/2, g(5)/2); after micro-step 2 both step with
+    # (g(0)+g(2)+g(1)+g(3))/4. Generally: between syncs each rank holds its own sum
+    # / k so far; a sync step steps with the mean of those over ranks (times k / m
+    # for a short last window of m), then clears the gradients.
     world, ranks = distributed
+    checked = []
     for n_case, case in enumerate(CASES[world]):
         if case.wrap != "ddp" or case.sync_each_batch:
             continue
+        checked.append(case)
         x, y = _data(case.steps * case.bs * world)
         windows = _global_windows(case, world)
         _, _, starts = _reference(windows, x, y, max_grad_norm=case.max_grad_norm)
-        for r, rank in enumerate(ranks):
-            local = [0.0 * g for g in _grads_of(starts[0], x[:1], y[:1])]
-            for j, row in enumerate(rank["cases"][n_case]["rows"]):
-                start = starts[j // case.k]
-                if j % case.k == 0:
-                    local = [0.0 * g for g in local]
+        want_synced = _want_synced(case)
+        sync_steps = [j for j, synced in enumerate(want_synced) if synced]
+        assert not all(want_synced)  # every case has micro-steps that must not sync
+        # own[r][j]: rank r's own gradient sum / k after micro-step j of its window.
+        own: list[list[list[torch.Tensor]]] = []
+        for r in range(world):
+            acc: list[torch.Tensor] = []
+            own.append([])
+            for j in range(case.steps):
                 idx = torch.arange(
                     (j * world + r) * case.bs, (j * world + r + 1) * case.bs
                 )
-                local = [
-                    a + b / case.k
-                    for a, b in zip(
-                        local, _grads_of(start, x[idx], y[idx]), strict=True
-                    )
+                g = _grads_of(starts[j // case.k], x[idx], y[idx])
+                if j % case.k == 0:
+                    acc = [0.0 * gi for gi in g]
+                acc = [a + b / case.k for a, b in zip(acc, g, strict=True)]
+                own[r].append(acc)
+        for r, rank in enumerate(ranks):
+            result = rank["cases"][n_case]
+            rows = result["rows"]
+            assert [row["synced"] for row in rows] == want_synced
+            for j, row in enumerate(rows):
+                if want_synced[j]:
+                    assert row["grads"] == []  # zero_grad(set_to_none=True)
+                else:
+                    _close(row["grads"], own[r][j], 1e-12)
+            assert len(result["seen"]) == len(sync_steps)
+            for seen, j in zip(result["seen"], sync_steps, strict=True):
+                m = j % case.k + 1
+                mean = [
+                    sum(gs, torch.zeros_like(gs[0])) / world * (case.k / m)
+                    for gs in zip(*(own[q][j] for q in range(world)), strict=True)
                 ]
-                if not row["synced"]:
-                    _close(row["local"], local, 1e-12)
+                _close(seen, _clipped(mean, case.max_grad_norm), 1e-10)
         if world == 2 and case == Case("ddp", steps=5, bs=1, k=2):
             g0 = _grads_of(starts[0], x[0:1], y[0:1])
             g1 = _grads_of(starts[0], x[1:2], y[1:2])
-            _close(ranks[0]["cases"][n_case]["rows"][0]["local"], [g / 2 for g in g0])
-            _close(ranks[1]["cases"][n_case]["rows"][0]["local"], [g / 2 for g in g1])
+            _close(ranks[0]["cases"][n_case]["rows"][0]["grads"], [g / 2 for g in g0])
+            _close(ranks[1]["cases"][n_case]["rows"][0]["grads"], [g / 2 for g in g1])
             both = [
                 sum(gs) / 4
                 for gs in zip(
@@ -1230,6 +1267,7 @@ def test_ddp_intermediate_gradients_are_local(
             ]
             _close(ranks[0]["cases"][n_case]["seen"][0], both)
             _close(ranks[1]["cases"][n_case]["seen"][0], both)
+    assert checked and (world != 2 or Case("ddp", steps=5, bs=1, k=2) in checked)
 
 
 @pytest.mark.distributed
@@ -1266,9 +1304,7 @@ def test_a_static_graph_ddp_is_refused_where_sync_would_be_skipped(
     )
     try:
         ddp = DistributedDataParallel(_net(), static_graph=True)
-        two = DistributedContext(
-            num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU
-        )
+        two = rank_ctx(2, 0)
         x, y = _data(1)
         with pytest.raises(ValueError, match=r"accumulate_step: .*static_graph=True"):
             accumulate_step(

@@ -1,11 +1,15 @@
-"""Each benchmark script runs at a tiny size and checks what it compares.
+"""Each benchmark script runs at a tiny size and prints the tables it compares.
 
-Only that the scripts work is tested here (timings are never asserted): each
-finishes, prints its tables, and the training benchmarks confirm that the plain
-PyTorch loop and the funcaccel loop ended with identical parameters.
+Timings are never asserted: each script must finish, print every row of its tables
+with numbers in every cell (the reference row's ratios exactly 1), noise-control
+rows included, and the training benchmarks must confirm that the plain PyTorch loop
+and the funcaccel loop ended with identical parameters.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Final
 
 import pytest
 
@@ -13,12 +17,51 @@ from tests._scripts import REPO
 from tests._scripts import run_script
 
 BENCHMARKS = REPO / "benchmarks"
+# A table cell the scripts print: a number, a ratio ("0.987×"), a range ("1.2 – 3.4").
+_NUMBER: Final = r"-?\d+\.\d+"
+_CELL: Final = re.compile(rf"{_NUMBER}×?(?: – {_NUMBER})?")
 
 
 def _run(name: str, *args: object) -> str:
     done = run_script(BENCHMARKS / f"{name}.py", *args, timeout=300)
     assert done.status == 0, f"{done.command} exited {done.status}:\n{done.stderr}"
     return done.stdout
+
+
+def _numeric_rows(out: str) -> list[tuple[str, list[str]]]:
+    """The Markdown table rows of ``out`` whose cells after the first are all numbers.
+
+    Header and separator rows have none, so they are left out.
+    """
+    rows = []
+    for line in out.splitlines():
+        if not (line.startswith("| ") and line.endswith(" |")):
+            continue
+        name, *cells = (cell.strip() for cell in line[2:-2].split(" | "))
+        if cells and all(_CELL.fullmatch(cell) for cell in cells):
+            rows.append((name, cells))
+    return rows
+
+
+def _check_rows(
+    out: str, names: list[str], width: int, reference: dict[str, list[str]]
+) -> None:
+    """Assert the numeric rows of ``out`` are ``names`` in order.
+
+    Each row has ``width`` numeric cells after its name, and each row named in
+    ``reference`` ends with the cells given there.
+    """
+    rows = _numeric_rows(out)
+    assert [name for name, _ in rows] == names, out
+    for name, cells in rows:
+        assert len(cells) == width, (name, cells)
+        if name in reference:
+            tail = reference[name]
+            assert cells[-len(tail) :] == tail, (name, cells)
+
+
+LOOP_ROWS = ["plain PyTorch", "plain PyTorch again (noise control)", "funcaccel"]
+ONE_RATIO = ["1.000×"] * 3  # ratio of medians, median paired ratio, ratio of minima
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
@@ -28,7 +71,7 @@ def test_bench_loop_runs_and_both_loops_end_equal(precision: str) -> None:
         "--mixed-precision", precision,
     )  # fmt: skip
     assert f"mixed precision {precision}; identical final parameters: True" in out
-    assert "| funcaccel |" in out and "| plain PyTorch |" in out
+    _check_rows(out, LOOP_ROWS, 7, {"plain PyTorch": ONE_RATIO})
 
 
 @pytest.mark.distributed
@@ -38,15 +81,41 @@ def test_bench_ddp_runs_and_both_loops_end_equal() -> None:
         "--hidden", 16, "--no-pin",
     )  # fmt: skip
     assert "equal final parameters: True" in out
-    assert out.count("| funcaccel |") == 2  # wall and CPU tables
+    ddp_rows = ["plain PyTorch DDP", "plain PyTorch DDP again (noise control)"]
+    # The wall-time table, then the CPU-time table, with the same rows.
+    _check_rows(out, [*ddp_rows, "funcaccel"] * 2, 7, {"plain PyTorch DDP": ONE_RATIO})
+    assert out.index("Wall time of an epoch") < out.index("CPU time of the training")
 
 
 def test_bench_loader_runs() -> None:
     out = _run("bench_loader", "--repeats", 2, "--samples", 256)
-    assert out.count("noise control") == 2
-    assert "`iter_batches` from 90 %" in out
+    epoch = [
+        f"{what}, {order}"
+        for order in ("sequential", "shuffled")
+        for what in (
+            "plain DataLoader",
+            "plain DataLoader again (noise control)",
+            "`for b in shard_loader(...)`",
+            "`iter_batches(loader)`",
+        )
+    ]
+    resume = [f"`iter_batches` from {p} %" for p in (0, 50, 90)]
+    resume += [f"skip by reading, {p} % (reference)" for p in (0, 50, 90)]
+    one = ["1.000×", "1.000 – 1.000"]  # the median paired ratio and its IQR
+    references = {
+        "plain DataLoader, sequential": one,
+        "plain DataLoader, shuffled": one,
+        "`iter_batches` from 0 %": one,
+    }
+    _check_rows(out, epoch + resume, 5, references)
+    assert out.index("## One epoch: 256 samples") < out.index("## Resume")
 
 
 def test_bench_import_runs() -> None:
     out = _run("bench_import", "--repeats", 2)
-    assert "funcaccel" in out
+    rows = ["`import torch`", "`import torch, funcaccel`"]
+    _check_rows(out, rows, 3, {"`import torch`": ["1.000"]})
+    assert re.search(r"^funcaccel adds -?\d+ ms \(median difference\);$", out, re.M)
+    found = re.search(r"self time of funcaccel modules: (\d+\.\d) ms$", out, re.M)
+    # -X importtime attributes time to funcaccel's own modules: parsing found them.
+    assert found and float(found[1]) > 0, out

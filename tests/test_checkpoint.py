@@ -38,7 +38,6 @@ from funcaccel.checkpoint import load_checkpoint
 from funcaccel.checkpoint import read_checkpoint_meta
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.loader import LoaderState
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
@@ -47,6 +46,7 @@ from funcaccel.rng import capture_rng_state
 from funcaccel.rng import restore_rng_state
 from tests._dist import run_processes
 from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
 # The generators a CPU-context checkpoint restores on this machine.
@@ -364,9 +364,7 @@ def test_save_rejects_bad_arguments(
 def test_save_and_load_reject_a_context_that_is_not_one(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"save_checkpoint: ctx must be a Distr"):
         save_checkpoint("ctx", tmp_path)  # type: ignore[arg-type]
-    two = DistributedContext(
-        num_processes=2, distributed_type=DistributedType.MULTI_CPU
-    )
+    two = rank_ctx(2)
     with pytest.raises(RuntimeError, match=r"load_checkpoint: ctx has num_processes=2"):
         load_checkpoint(two, tmp_path)
 

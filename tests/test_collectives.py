@@ -34,10 +34,10 @@ from funcaccel.collectives import pad_across_processes
 from funcaccel.collectives import pad_tensor
 from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
 
@@ -276,9 +276,7 @@ def test_gather_for_metrics_checks_the_batch(
 def test_several_processes_without_a_group_is_a_runtime_error(
     call: Callable[[DistributedContext], Any],
 ) -> None:
-    ctx = DistributedContext(
-        num_processes=4, process_index=2, distributed_type=DistributedType.MULTI_CPU
-    )
+    ctx = rank_ctx(4, 2)
     with pytest.raises(
         RuntimeError, match=r"^\w+: ctx has num_processes=4 but no default"
     ):
@@ -393,7 +391,8 @@ def test_pad_tensor_matches_numpy_pad(
 
 # Real gloo ranks ----------------------------------------------------------------------
 
-# Per-rank batches from SPEC §4 and §5 (one list per rank), the remainder, and
+# Per-rank batches from docs/loader.md#semantics-building-a-sharded-loader and
+# docs/loader.md#semantics-dispatch-mode (one list per rank), the remainder, and
 # the epoch gather_for_metrics must give back: (name, world, batches, remainder, epoch).
 METRIC_CASES: list[tuple[str, int, list[list[list[int]]], int, list[int]]] = [
     (
@@ -838,25 +837,28 @@ def test_broadcast_copies_from_the_source_rank(dist_results: Results) -> None:
     )
 
 
+# What "reduce {reduction}" must return, written out: rank r gives
+# v = [[1, 4], [3, 2], [5, -1]][r] and s = (2r,); with two ranks this is the example
+# of docs/collectives.md#semantics-collectives-rank-by-rank.
+REDUCED: dict[tuple[int, str], tuple[list[float], float]] = {
+    (2, "sum"): ([4.0, 6.0], 2.0),
+    (2, "mean"): ([2.0, 3.0], 1.0),
+    (2, "max"): ([3.0, 4.0], 2.0),
+    (3, "sum"): ([9.0, 5.0], 6.0),
+    (3, "mean"): ([3.0, 5.0 / 3.0], 2.0),
+    (3, "max"): ([5.0, 4.0], 4.0),
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("reduction", ["sum", "mean", "max"])
 def test_reduce_is_element_wise_over_ranks(
     dist_results: Results, reduction: str
 ) -> None:
     world, _ = dist_results
-    spec = torch.tensor([[1.0, 4.0], [3.0, 2.0], [5.0, -1.0]][:world])
-    scalars = torch.tensor([r * 2.0 for r in range(world)])
-    combines: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "sum": lambda t: t.sum(0),
-        "mean": lambda t: t.mean(0),
-        "max": lambda t: t.amax(0),
-    }
-    combine = combines[reduction]
-    expected: dict[str, Any] = {"v": combine(spec), "s": (combine(scalars),)}
-    assert_tree_equal(on_every_rank(dist_results, f"reduce {reduction}"), expected)
-    if world == 2:  # the SPEC §8 example
-        spec_result = {"sum": [4.0, 6.0], "mean": [2.0, 3.0], "max": [3.0, 4.0]}
-        assert expected["v"].tolist() == spec_result[reduction]
+    v, s = REDUCED[world, reduction]
+    got = on_every_rank(dist_results, f"reduce {reduction}")
+    assert_tree_equal(got, {"v": torch.tensor(v), "s": (torch.tensor(s),)})
 
 
 @pytest.mark.distributed

@@ -35,6 +35,7 @@ from funcaccel.context import require_process_group
 from funcaccel.kwargs import InitProcessGroupKwargs
 from tests._dist import run_processes
 from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 
 @given(data=st.data(), num_processes=st.integers(min_value=1, max_value=64))
@@ -109,9 +110,7 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
         {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}, cpu=True
     )
     second = context_from_env({}, cpu=True, mixed_precision="bf16")
-    hand = DistributedContext(
-        num_processes=8, process_index=7, distributed_type=DistributedType.MULTI_CPU
-    )
+    hand = rank_ctx(8, 7)
     assert (first.num_processes, first.process_index, first.mixed_precision) == (
         4,
         1,
@@ -378,9 +377,7 @@ def test_build_context_reads_the_rendezvous_address_from_the_given_mapping(
 
 
 def test_require_process_group_refuses_a_missing_group() -> None:
-    ctx = DistributedContext(
-        num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU
-    )
+    ctx = rank_ctx(2)
     with pytest.raises(
         RuntimeError, match=r"my_function: ctx has num_processes=2 but no"
     ):

@@ -1,4 +1,5 @@
-"""Dispatch mode (SPEC §5): rank 0 reads, every rank receives its rows.
+"""Dispatch mode (docs/loader.md#semantics-dispatch-mode): rank 0 reads, every rank
+receives its rows.
 
 Every scenario runs on real gloo processes; to pay for process start-up once per
 world size, one worker runs all scenarios of a world size in turn (module-scoped
@@ -18,51 +19,19 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset
-from torch.utils.data import IterableDataset
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.loader import LoaderState
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from tests._dist import run_ranks
+from tests.fixtures import Indexed
+from tests.fixtures import SizedStream
+from tests.fixtures import Stream
+from tests.fixtures import rank_ctx
 
 # --------------------------------------------------------------------- datasets
-
-
-class Indexed(Dataset[torch.Tensor]):
-    """Items are their own indices; ``__getitem__`` calls are recorded."""
-
-    def __init__(self, n: int, *, fail_at: int | None = None) -> None:
-        self.n = n
-        self.fail_at = fail_at
-        self.fetched: list[int] = []
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if index == self.fail_at:
-            raise KeyError(f"no sample {index}")
-        self.fetched.append(index)
-        return torch.tensor(index)
-
-
-class SizedStream(IterableDataset[torch.Tensor]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (torch.tensor(i) for i in range(self.n))
-
-
-class Stream(SizedStream):
-    """Without ``len()``."""
-
-    __len__ = None  # type: ignore[assignment]
+# Indexed, Stream and SizedStream come from tests.fixtures.
 
 
 class Pair(NamedTuple):
@@ -72,12 +41,6 @@ class Pair(NamedTuple):
 
 def make_data(kind: str, n: int) -> Dataset[torch.Tensor]:
     return Indexed(n) if kind == "map" else SizedStream(n)
-
-
-def ctx_for(p: int, i: int) -> DistributedContext:
-    return DistributedContext(
-        num_processes=p, process_index=i, distributed_type=DistributedType.MULTI_CPU
-    )
 
 
 # ------------------------------------------------------------------- collates
@@ -136,7 +99,7 @@ def slice_rows(data: torch.Tensor, rows: slice) -> dict[str, Any]:
 
 # --------------------------------------------------------------- the scenarios
 
-# (n, bs, options): SPEC §5's table.
+# (n, bs, options): the dispatch cases of docs/loader.md#semantics-dispatch-mode.
 TABLE_5: dict[str, tuple[int, int, dict[str, Any]]] = {
     "10-3-2": (10, 3, {}),
     "9-2-2": (9, 2, {}),
@@ -375,7 +338,7 @@ def worlds(
     return {2: world2, 3: world3}
 
 
-# ------------------------------------------------------------ the §5 table
+# ------------------------------------------------------- the dispatch table
 
 E: list[list[int]] = []
 # name: (batches per rank, remainder of the last, gather_for_metrics of the last, len)
@@ -426,7 +389,7 @@ def test_dispatch_split_needs_a_multiple_of_the_world() -> None:
         ValueError, match=r"batch_size \(1\) must be a multiple of num_processes \(2\)"
     ):
         shard_loader(
-            ctx_for(2, 0),
+            rank_ctx(2, 0),
             DataLoader(Indexed(3), batch_size=1),
             split_batches=True,
             dispatch_batches=True,
@@ -434,7 +397,7 @@ def test_dispatch_split_needs_a_multiple_of_the_world() -> None:
 
 
 def test_dispatch_len_needs_a_sized_dataset() -> None:
-    loader = shard_loader(ctx_for(2, 1), DataLoader(Stream(4), batch_size=2))
+    loader = shard_loader(rank_ctx(2, 1), DataLoader(Stream(4), batch_size=2))
     assert loader.dispatch_batches and loader.total_batch_size == 4
     with pytest.raises(
         TypeError, match=r"ShardedLoader.__len__: the Stream has no len\(\)"

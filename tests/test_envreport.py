@@ -51,9 +51,11 @@ def test_env_report_lists_versions_and_devices() -> None:
     assert versions["backends"] == expected_backends
     if torch.version.cuda is None:
         assert versions["CUDA"] == "not in this torch build"
+        assert versions["cuDNN"] == "not available"
     else:
         assert versions["CUDA"].startswith(torch.version.cuda)
-    assert "cuDNN" in versions
+        cudnn = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
+        assert versions["cuDNN"] == ("not available" if cudnn is None else str(cudnn))
 
 
 def test_env_report_shows_the_context_the_environment_gives() -> None:

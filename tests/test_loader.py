@@ -1,4 +1,8 @@
-"""shard_loader, iter_batches and LoaderState (SPEC §4, §4.1, §4.2).
+"""shard_loader, iter_batches and LoaderState.
+
+The rules: docs/loader.md#semantics-building-a-sharded-loader,
+docs/loader.md#semantics-resuming-from-a-loaderstate and
+docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
 
 Sharding is pure, so most tests build every rank's loader in this process with a
 hand-made context; only RNG synchronisation (and a worker-process run) needs real
@@ -46,49 +50,12 @@ from funcaccel.loader import send_to_device
 from funcaccel.loader import shard_loader
 from funcaccel.loader._setup import kept_settings
 from tests._dist import run_ranks
+from tests.fixtures import Indexed
+from tests.fixtures import SizedStream
+from tests.fixtures import Stream
+from tests.fixtures import rank_ctx
 
 # --------------------------------------------------------------------------- helpers
-
-
-class Indexed(Dataset[torch.Tensor]):
-    """Items are their own indices; every ``__getitem__`` is recorded."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.fetched: list[int] = []
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        self.fetched.append(index)
-        return torch.tensor(index)
-
-
-class Stream(IterableDataset[torch.Tensor]):
-    """The stream 0..n-1, without ``len()``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (torch.tensor(i) for i in range(self.n))
-
-
-class SizedStream(Stream):
-    """The stream 0..n-1, with ``len()``."""
-
-    def __len__(self) -> int:
-        return self.n
-
-
-def ctx_for(p: int, i: int = 0) -> DistributedContext:
-    """A hand-built context for rank ``i`` of ``p`` (no process group)."""
-    if p == 1:
-        return DistributedContext()
-    return DistributedContext(
-        num_processes=p, process_index=i, distributed_type=DistributedType.MULTI_CPU
-    )
 
 
 def make_data(kind: str, n: int) -> Dataset[torch.Tensor]:
@@ -107,7 +74,7 @@ def all_ranks(
     """Every rank's records for one epoch; ``make()`` builds a fresh DataLoader."""
     out = []
     for rank in range(p):
-        loader = shard_loader(ctx_for(p, rank), make(), **options)
+        loader = shard_loader(rank_ctx(p, rank), make(), **options)
         out.append(list(iter_batches(loader, state or LoaderState())))
     return out
 
@@ -119,7 +86,7 @@ def seeded_order(n: int, seed: int, **options: Any) -> list[int]:
     return list(RandomSampler(range(n), generator=generator, **options))
 
 
-# ------------------------------------------------------------------ SPEC §4 table
+# ------------- the table of docs/loader.md#semantics-building-a-sharded-loader
 
 F, T = False, True
 TABLE_4 = [
@@ -171,7 +138,7 @@ def test_shard_loader_matches_spec_table(
     drop_last = options.pop("drop_last", False)
     for rank in range(p):
         loader = shard_loader(
-            ctx_for(p, rank),
+            rank_ctx(p, rank),
             DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last),
             dispatch_batches=False,
             **options,
@@ -191,12 +158,12 @@ def test_unsized_stream_reports_observed_remainder_on_last_batch(p: int) -> None
     n, bs = 10, 3
     for rank in range(p):
         loader = shard_loader(
-            ctx_for(p, rank),
+            rank_ctx(p, rank),
             DataLoader(Stream(n), batch_size=bs),
             dispatch_batches=False,
         )
         sized = shard_loader(
-            ctx_for(p, rank),
+            rank_ctx(p, rank),
             DataLoader(SizedStream(n), batch_size=bs),
             dispatch_batches=False,
         )
@@ -213,7 +180,7 @@ def test_unsized_stream_reports_observed_remainder_on_last_batch(p: int) -> None
 
 def test_unsized_stream_with_drop_last_has_no_remainder() -> None:
     loader = shard_loader(
-        ctx_for(2, 1),
+        rank_ctx(2, 1),
         DataLoader(Stream(10), batch_size=3, drop_last=True),
         dispatch_batches=False,
     )
@@ -232,7 +199,7 @@ def test_one_process_yields_the_original_batches(
     def make() -> DataLoader[torch.Tensor]:
         return DataLoader(make_data(kind, 7), batch_size=bs, drop_last=drop_last)
 
-    loader = shard_loader(ctx_for(1), make(), even_batches=even_batches)
+    loader = shard_loader(rank_ctx(1), make(), even_batches=even_batches)
     expected = [batch.tolist() for batch in make()]
     assert [x.tolist() for x in loader] == expected
     assert as_lists(list(iter_batches(loader))) == expected
@@ -294,7 +261,7 @@ def test_one_process_reads_exactly_as_the_dataloader_does(
     want_reads: list[object] = []
     want = [plain(b) for b in DataLoader(items(10, want_reads), **options)]
     got_reads: list[object] = []
-    loader = shard_loader(ctx_for(1), DataLoader(items(10, got_reads), **options))
+    loader = shard_loader(rank_ctx(1), DataLoader(items(10, got_reads), **options))
     assert [plain(b) for b in loader] == want
     assert got_reads == want_reads
     got_reads.clear()
@@ -308,7 +275,7 @@ def test_a_dataset_error_reaches_the_caller_unchanged(batch_size: int | None) ->
     with pytest.raises(KeyError, match="13"):
         list(failing)
     with pytest.raises(KeyError, match="13"):
-        list(shard_loader(ctx_for(1), failing))
+        list(shard_loader(rank_ctx(1), failing))
 
 
 class StopsAtFour(Dataset[int]):
@@ -325,7 +292,7 @@ class StopsAtFour(Dataset[int]):
 
 def test_a_stop_iteration_from_the_dataset_ends_the_epoch_as_in_a_dataloader() -> None:
     plain = DataLoader(StopsAtFour(), batch_size=3, collate_fn=list)
-    loader = shard_loader(ctx_for(1), plain)
+    loader = shard_loader(rank_ctx(1), plain)
     assert list(plain) == [[0, 1, 2]]
     assert list(loader) == [[0, 1, 2]]
     records = list(iter_batches(loader))
@@ -338,11 +305,11 @@ def test_a_timeout_without_workers_fails_as_the_dataloader_fails() -> None:
     with pytest.raises(AssertionError, match="timeout == 0"):
         list(plain)
     with pytest.raises(AssertionError, match="timeout == 0"):
-        list(shard_loader(ctx_for(1), plain))
+        list(shard_loader(rank_ctx(1), plain))
 
 
 def test_reads_are_labelled_in_a_profile_as_torch_labels_them() -> None:
-    loader = shard_loader(ctx_for(1), DataLoader(GetItems(7, []), batch_size=2))
+    loader = shard_loader(rank_ctx(1), DataLoader(GetItems(7, []), batch_size=2))
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         batches = list(loader)
     labels = [event.name for event in prof.events()]
@@ -355,7 +322,7 @@ def test_reading_in_process_and_in_workers_give_the_same_shards() -> None:
     for rank in (0, 1):
         loaders = [
             shard_loader(
-                ctx_for(2, rank),
+                rank_ctx(2, rank),
                 DataLoader(
                     GetItems(11, []), batch_size=2, shuffle=True, num_workers=workers
                 ),
@@ -370,17 +337,18 @@ def test_reading_in_process_and_in_workers_give_the_same_shards() -> None:
         assert len(in_process) == 3
 
 
-# ------------------------------------------------------------- §4.2 epoch order
+# ---------- docs/loader.md#semantics-epoch-order-and-rng-synchronisation
 
 
 def test_seeded_shuffle_matches_the_spec_example_and_torch() -> None:
     order = seeded_order(8, 42)
-    assert order == [6, 3, 0, 7, 2, 1, 4, 5]  # SPEC §4.2, checked against torch
+    # docs/loader.md#semantics-epoch-order-and-rng-synchronisation, 'Shuffling'
+    assert order == [6, 3, 0, 7, 2, 1, 4, 5]  # checked against torch
 
     def make() -> DataLoader[torch.Tensor]:
         return DataLoader(Indexed(8), batch_size=2, shuffle=True)
 
-    one = shard_loader(ctx_for(1), make(), seed=42)
+    one = shard_loader(rank_ctx(1), make(), seed=42)
     assert [x.tolist() for x in one] == [[6, 3], [0, 7], [2, 1], [4, 5]]
     assert as_lists(list(iter_batches(one))) == [[6, 3], [0, 7], [2, 1], [4, 5]]
     one.set_epoch(0)
@@ -409,7 +377,7 @@ def test_seeded_shuffle_draws_as_torch_random_sampler(
     dataset = Indexed(9)
     sampler = RandomSampler(dataset, **sampler_options)
     loader = shard_loader(
-        ctx_for(1), DataLoader(dataset, batch_size=4, sampler=sampler), seed=7
+        rank_ctx(1), DataLoader(dataset, batch_size=4, sampler=sampler), seed=7
     )
     torch.manual_seed(epoch)  # the global RNG must not matter
     got = [
@@ -435,7 +403,7 @@ def test_epoch_order_is_the_same_for_every_world_size() -> None:
 
 def test_each_iteration_starts_the_next_epoch_as_a_dataloader_reshuffles() -> None:
     loader = shard_loader(
-        ctx_for(1), DataLoader(Indexed(6), batch_size=6, shuffle=True), seed=3
+        rank_ctx(1), DataLoader(Indexed(6), batch_size=6, shuffle=True), seed=3
     )
     assert loader.epoch == 0
     epochs = [[x.tolist() for x in loader] for _ in range(3)]
@@ -467,7 +435,7 @@ def test_drop_in_epochs_follow_one_counter(calls: list[int | str | None]) -> Non
     """``None`` is a whole ``for`` loop, ``"break"`` a loop cut after one batch, and
     an int a ``set_epoch``; a model counter predicts every order."""
     loader = shard_loader(
-        ctx_for(2, 1), DataLoader(Indexed(8), batch_size=2, shuffle=True), seed=9
+        rank_ctx(2, 1), DataLoader(Indexed(8), batch_size=2, shuffle=True), seed=9
     )
     expected_epoch = 0
     for call in calls:
@@ -511,7 +479,7 @@ def test_set_epoch_reaches_sampler_and_dataset_at_each_epoch_start() -> None:
     dataset = EpochIndexed(4)
     sampler = EpochSampler(dataset)
     loader = shard_loader(
-        ctx_for(2, 1), DataLoader(dataset, batch_size=2, sampler=sampler)
+        rank_ctx(2, 1), DataLoader(dataset, batch_size=2, sampler=sampler)
     )
     assert (sampler.epochs, dataset.epochs) == ([], [])
     list(iter_batches(loader, LoaderState(epoch=3)))
@@ -544,7 +512,7 @@ def test_iterable_dataset_generator_is_reseeded_with_seed_plus_epoch(
         list(iter_batches(loader, LoaderState(epoch=epoch)))
         for loader in (
             shard_loader(
-                ctx_for(2, rank),
+                rank_ctx(2, rank),
                 DataLoader(GeneratorStream(6), batch_size=3),
                 seed=10,
                 dispatch_batches=False,
@@ -558,7 +526,7 @@ def test_iterable_dataset_generator_is_reseeded_with_seed_plus_epoch(
     ]
 
 
-# ------------------------------------------------------------------ §4.1 resume
+# -------------------- docs/loader.md#semantics-resuming-from-a-loaderstate
 
 
 def test_resume_worked_example_across_world_sizes() -> None:
@@ -580,7 +548,7 @@ def test_resume_worked_example_across_world_sizes() -> None:
     ]
     four = [as_lists(r) for r in all_ranks(4, make(1), state)]
     assert four == [[[4], [8]], [[5], [9]], [[6], [0]], [[7], [1]]]
-    loader = shard_loader(ctx_for(4, 0), DataLoader(Indexed(10), batch_size=2))
+    loader = shard_loader(rank_ctx(4, 0), DataLoader(Indexed(10), batch_size=2))
     message = (
         r"iter_batches: cannot resume 4 samples into the epoch with total_batch_size 8; "
         r"use a world size and batch size whose global batch divides 4, or resume at an "
@@ -601,7 +569,7 @@ def test_resume_fetches_no_skipped_sample(
     for rank in range(p):
         dataset = Indexed(37)
         loader = shard_loader(
-            ctx_for(p, rank),
+            rank_ctx(p, rank),
             DataLoader(dataset, batch_size=4, shuffle=shuffle),
             seed=1,
             **options,
@@ -628,7 +596,7 @@ def _same_records(a: Sequence[Batch], b: Sequence[Batch]) -> None:
 def test_resume_continues_the_uninterrupted_epoch(kind: str, stop: int) -> None:
     def loader(rank: int) -> ShardedLoader:
         dataloader = DataLoader(make_data(kind, 29), batch_size=2)
-        return shard_loader(ctx_for(3, rank), dataloader, dispatch_batches=False)
+        return shard_loader(rank_ctx(3, rank), dataloader, dispatch_batches=False)
 
     for rank in range(3):
         full = list(iter_batches(loader(rank)))
@@ -637,7 +605,7 @@ def test_resume_continues_the_uninterrupted_epoch(kind: str, stop: int) -> None:
 
 
 def test_skip_applies_to_one_call_and_exactly_at_the_end_yields_nothing() -> None:
-    loader = shard_loader(ctx_for(2, 0), DataLoader(Indexed(10), batch_size=2))
+    loader = shard_loader(rank_ctx(2, 0), DataLoader(Indexed(10), batch_size=2))
     # 10 samples in global batches of 4: 3 global batches; 3 of them consumed is
     # "epoch finished", which yields nothing.
     assert (
@@ -667,7 +635,7 @@ def test_a_state_past_the_end_is_an_error_naming_it_and_the_length(kind: str) ->
     # 10 samples, bs=2, 2 ranks: G=4, 3 global batches per epoch.
     for rank in (0, 1):
         loader = shard_loader(
-            ctx_for(2, rank),
+            rank_ctx(2, rank),
             DataLoader(make_data(kind, 10), batch_size=2),
             dispatch_batches=False,
         )
@@ -715,7 +683,7 @@ def test_resume_raises_past_the_end_and_yields_the_rest_up_to_it(
     assume(consumed >= 0)
     state = LoaderState(global_batches=consumed, global_batch_size=bs * p)
     for rank in range(p):
-        loader = shard_loader(ctx_for(p, rank), make(), **options)
+        loader = shard_loader(rank_ctx(p, rank), make(), **options)
         if consumed > epoch:
             with pytest.raises(ValueError, match=r"past the end of the epoch"):
                 list(iter_batches(loader, state))
@@ -821,7 +789,9 @@ def test_resume_on_another_world_size_continues_the_global_order(
 
 def test_dynamic_batch_sampler_resumes_in_its_own_batches() -> None:
     batches = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
-    loader = shard_loader(ctx_for(2, 1), DataLoader(Indexed(11), batch_sampler=batches))
+    loader = shard_loader(
+        rank_ctx(2, 1), DataLoader(Indexed(11), batch_sampler=batches)
+    )
     records = list(iter_batches(loader))
     assert as_lists(records) == [
         [3],
@@ -885,7 +855,7 @@ def test_loader_state_from_dict_rejects_other_shapes() -> None:
 def test_batch_state_after_each_batch() -> None:
     records = list(
         iter_batches(
-            shard_loader(ctx_for(3, 2), DataLoader(Indexed(20), batch_size=3)),
+            shard_loader(rank_ctx(3, 2), DataLoader(Indexed(20), batch_size=3)),
             LoaderState(epoch=4),
         )
     )
@@ -908,7 +878,7 @@ def test_the_callers_loader_sampler_and_lists_are_not_modified() -> None:
     batch_sampler = dataloader.batch_sampler
     rng_types: list[Any] = ["generator"]
     for rank in range(2):
-        loader = shard_loader(ctx_for(2, rank), dataloader, rng_types=rng_types)
+        loader = shard_loader(rank_ctx(2, rank), dataloader, rng_types=rng_types)
         list(iter_batches(loader))
         list(loader)
     assert rng_types == ["generator"]
@@ -980,7 +950,7 @@ def test_kept_dataloader_settings_reach_the_inner_loader(
         "pin_memory_device", "in_order",
     }  # fmt: skip
     assert kept["in_order"] is False and kept["prefetch_factor"] == 3
-    loader = shard_loader(ctx_for(p, 0), dataloader, dispatch_batches=dispatch)
+    loader = shard_loader(rank_ctx(p, 0), dataloader, dispatch_batches=dispatch)
     inner = loader._setup.inner
     assert inner is not None and inner is not dataloader
     got = kept_settings(inner)
@@ -1000,7 +970,7 @@ def test_worker_settings_work_across_epochs() -> None:
         worker_init_fn=tag_worker,
         persistent_workers=True,
     )
-    loader = shard_loader(ctx_for(2, 0), dataloader, put_on_device=False)
+    loader = shard_loader(rank_ctx(2, 0), dataloader, put_on_device=False)
     epochs = []
     for epoch in (0, 1):
         loader.set_epoch(epoch)
@@ -1018,7 +988,7 @@ def test_worker_settings_work_across_epochs() -> None:
 
 def test_pin_memory_is_kept() -> None:
     loader = shard_loader(
-        ctx_for(1), DataLoader(Indexed(4), batch_size=2, pin_memory=True)
+        rank_ctx(1), DataLoader(Indexed(4), batch_size=2, pin_memory=True)
     )
     if torch.accelerator.is_available():  # pinned for real
         batches = list(loader)
@@ -1085,7 +1055,7 @@ def test_split_batches_needs_a_multiple_of_the_world(
     )
     with pytest.raises(ValueError, match=message):
         shard_loader(
-            ctx_for(2, 0),
+            rank_ctx(2, 0),
             DataLoader(make_data(kind, 6), batch_size=bs),
             split_batches=True,
             **options,
@@ -1095,18 +1065,18 @@ def test_split_batches_needs_a_multiple_of_the_world(
 def test_split_batches_needs_a_known_batch_size() -> None:
     dataloader = DataLoader(Indexed(6), batch_sampler=[[0, 1], [2, 3, 4, 5]])
     with pytest.raises(ValueError, match=r"batch_size \(None\) must be a multiple"):
-        shard_loader(ctx_for(1), dataloader, split_batches=True)
+        shard_loader(rank_ctx(1), dataloader, split_batches=True)
 
 
 def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
     dataloader = DataLoader(Indexed(3), batch_size=None)
-    assert [x.tolist() for x in shard_loader(ctx_for(1), dataloader)] == [0, 1, 2]
-    assert len(shard_loader(ctx_for(1), dataloader)) == 3
+    assert [x.tolist() for x in shard_loader(rank_ctx(1), dataloader)] == [0, 1, 2]
+    assert len(shard_loader(rank_ctx(1), dataloader)) == 3
     with pytest.raises(
         ValueError,
         match=r"shard_loader: the DataLoader does not batch \(batch_size=None\)",
     ):
-        shard_loader(ctx_for(2, 0), dataloader)
+        shard_loader(rank_ctx(2, 0), dataloader)
 
 
 @pytest.mark.parametrize(
@@ -1177,7 +1147,7 @@ def test_shard_loader_rejects_bad_arguments(
     arguments: dict[str, Any], error: type[Exception], pattern: str
 ) -> None:
     call: dict[str, Any] = {
-        "ctx": ctx_for(2, 0),
+        "ctx": rank_ctx(2, 0),
         "dataloader": DataLoader(Indexed(4), batch_size=2),
         **arguments,
     }
@@ -1221,7 +1191,7 @@ def test_a_generator_the_loader_would_ignore_is_refused(
                 f"instead (seed={seed})."
             ),
         ):
-            shard_loader(ctx_for(p), DataLoader(Indexed(6), batch_size=2, **options))
+            shard_loader(rank_ctx(p), DataLoader(Indexed(6), batch_size=2, **options))
         assert torch.equal(generator.get_state(), state)  # not consumed
 
 
@@ -1231,7 +1201,7 @@ def test_a_generator_seed_too_large_for_seed_is_not_suggested() -> None:
         match=r"pass the seed to shard_loader instead \(a seed below 2\*\*63\)",
     ):
         shard_loader(
-            ctx_for(1),
+            rank_ctx(1),
             DataLoader(
                 Indexed(6), batch_size=2, shuffle=True, generator=_seeded(2**63)
             ),
@@ -1241,14 +1211,14 @@ def test_a_generator_seed_too_large_for_seed_is_not_suggested() -> None:
 def test_a_custom_sampler_keeps_its_own_generator() -> None:
     sampler = SubsetRandomSampler(list(range(6)), generator=_seeded(3))
     loader = shard_loader(
-        ctx_for(1), DataLoader(Indexed(6), batch_size=6, sampler=sampler)
+        rank_ctx(1), DataLoader(Indexed(6), batch_size=6, sampler=sampler)
     )
     expected = list(SubsetRandomSampler(list(range(6)), generator=_seeded(3)))
     assert [x.tolist() for x in loader] == [expected]
 
 
 def test_iter_batches_rejects_bad_arguments() -> None:
-    loader = shard_loader(ctx_for(1), DataLoader(Indexed(4), batch_size=2))
+    loader = shard_loader(rank_ctx(1), DataLoader(Indexed(4), batch_size=2))
     with pytest.raises(
         TypeError, match=r"iter_batches: loader must be a ShardedLoader"
     ):
@@ -1262,19 +1232,19 @@ def test_iter_batches_rejects_bad_arguments() -> None:
 
 def test_default_dispatch_follows_the_dataset_kind() -> None:
     assert shard_loader(
-        ctx_for(2, 1), DataLoader(SizedStream(4), batch_size=2)
+        rank_ctx(2, 1), DataLoader(SizedStream(4), batch_size=2)
     ).dispatch_batches
     assert not shard_loader(
-        ctx_for(2, 1), DataLoader(SizedStream(4), batch_size=2), put_on_device=False
+        rank_ctx(2, 1), DataLoader(SizedStream(4), batch_size=2), put_on_device=False
     ).dispatch_batches
     assert not shard_loader(
-        ctx_for(2, 1), DataLoader(Indexed(4), batch_size=2)
+        rank_ctx(2, 1), DataLoader(Indexed(4), batch_size=2)
     ).dispatch_batches
     assert shard_loader(
-        ctx_for(2, 1), DataLoader(Indexed(4), batch_size=2), dispatch_batches=True
+        rank_ctx(2, 1), DataLoader(Indexed(4), batch_size=2), dispatch_batches=True
     ).dispatch_batches
     one = shard_loader(
-        ctx_for(1), DataLoader(SizedStream(4), batch_size=2), dispatch_batches=True
+        rank_ctx(1), DataLoader(SizedStream(4), batch_size=2), dispatch_batches=True
     )
     assert not one.dispatch_batches and [x.tolist() for x in one] == [[0, 1], [2, 3]]
 
@@ -1282,10 +1252,10 @@ def test_default_dispatch_follows_the_dataset_kind() -> None:
 def test_loader_properties_and_repr() -> None:
     dataloader = DataLoader(Indexed(4), batch_size=2)
     loader = shard_loader(
-        ctx_for(2, 1), dataloader, split_batches=True, seed=5, even_batches=False
+        rank_ctx(2, 1), dataloader, split_batches=True, seed=5, even_batches=False
     )
     assert loader.dataloader is dataloader and loader.dataset is dataloader.dataset
-    assert loader.ctx == ctx_for(2, 1)
+    assert loader.ctx == rank_ctx(2, 1)
     assert (
         loader.split_batches,
         loader.even_batches,
@@ -1487,7 +1457,7 @@ class WorkerSeed(Dataset[int]):
 
 def test_loader_leaves_the_global_rng_alone_and_seeds_workers_per_epoch() -> None:
     loader = shard_loader(
-        ctx_for(1),
+        rank_ctx(1),
         DataLoader(WorkerSeed(), batch_size=2, num_workers=1, collate_fn=list),
         seed=11,
     )
@@ -1697,7 +1667,10 @@ ORACLE_GRID = [
 def test_same_batches_as_accelerate(
     n: int, bs: int, p: int, split: bool, even: bool, drop_last: bool, kind: str
 ) -> None:
-    """Optional: Accelerate 1.15's loaders yield the same batches (SPEC §4)."""
+    """Optional: Accelerate 1.15's loaders yield the same batches.
+
+    The rules: docs/loader.md#semantics-building-a-sharded-loader.
+    """
     oracle = pytest.importorskip("accelerate.data_loader")
     for rank in range(p):
         theirs = oracle.prepare_data_loader(
@@ -1711,7 +1684,7 @@ def test_same_batches_as_accelerate(
             dispatch_batches=False,
         )
         ours = shard_loader(
-            ctx_for(p, rank),
+            rank_ctx(p, rank),
             DataLoader(make_data(kind, n), batch_size=bs, drop_last=drop_last),
             split_batches=split,
             even_batches=even,
@@ -1736,7 +1709,7 @@ def test_same_shuffled_order_as_accelerate_seedable_sampler(p: int, seed: int) -
             data_seed=seed,
         )
         ours = shard_loader(
-            ctx_for(p, rank),
+            rank_ctx(p, rank),
             DataLoader(Indexed(11), batch_size=2, shuffle=True),
             seed=seed,
         )

@@ -22,7 +22,6 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.model import FSDPOptions
@@ -30,6 +29,7 @@ from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
 from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 WORLD: int = 2
 STEPS: int = 4
@@ -382,7 +382,7 @@ def _batched_train_worker(ctx: DistributedContext) -> None:
     reason=(
         f"torch {torch.__version__}: batched_powerSGD_hook passes a 2-D matrix to "
         "_orthogonalize, which asserts 3-D, on the first step after "
-        "start_powerSGD_iter (upstream bug, see TORCH-NOTES.md)"
+        "start_powerSGD_iter (an upstream bug in torch, not in funcaccel)"
     ),
 )
 def test_wrap_model_batched_power_sgd_trains(tmp_path: Path) -> None:
@@ -510,9 +510,7 @@ def test_wrap_model_fsdp_leaves_frozen_and_accepts_default_ddp_kwargs(
         assert result["default_kwargs_is_fsdp"]
 
 
-CPU2 = DistributedContext(
-    num_processes=2, process_index=1, distributed_type=DistributedType.MULTI_CPU
-)
+CPU2 = rank_ctx(2, 1)
 
 
 def test_wrap_model_one_process_returns_the_module_on_the_device() -> None:

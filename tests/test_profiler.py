@@ -11,11 +11,11 @@ import torch
 import torch.profiler
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.kwargs import ProfileKwargs
 from funcaccel.profiler import build_profiler
 from funcaccel.profiler import profiler_trace_path
 from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 # torch warns once per process when a second schedule window starts without
 # acc_events; funcaccel writes each window to its own file, so the warning is moot.
@@ -42,14 +42,6 @@ def _run_steps(prof: torch.profiler.profile | None, n: int) -> None:
             prof.step()
 
 
-def _hand_ctx(rank: int, world: int) -> DistributedContext:
-    return DistributedContext(
-        num_processes=world,
-        process_index=rank,
-        distributed_type=DistributedType.MULTI_CPU,
-    )
-
-
 def test_profiler_trace_path_names_rank_and_cycle(tmp_path: Path) -> None:
     assert profiler_trace_path(tmp_path, 3) == tmp_path / "profile_3.json"
     assert profiler_trace_path(tmp_path, 3, 0) == tmp_path / "profile_3_cycle0.json"
@@ -69,7 +61,7 @@ def test_build_profiler_writes_rank_trace_with_user_labels(tmp_path: Path) -> No
 
 def test_build_profiler_names_file_after_process_index(tmp_path: Path) -> None:
     kwargs = ProfileKwargs(output_trace_dir=str(tmp_path))
-    with build_profiler(_hand_ctx(2, 3), kwargs):
+    with build_profiler(rank_ctx(3, 2), kwargs):
         _run_steps(None, 1)
     assert [p.name for p in tmp_path.iterdir()] == ["profile_2.json"]
 
@@ -185,11 +177,11 @@ def test_build_profiler_calls_user_handler_instead_of_cycle_files(
 
 def test_build_profiler_skips_ranks_not_chosen(tmp_path: Path) -> None:
     kwargs = ProfileKwargs(output_trace_dir=tmp_path)
-    with build_profiler(_hand_ctx(0, 2), kwargs, ranks=[1]) as prof:
+    with build_profiler(rank_ctx(2, 0), kwargs, ranks=[1]) as prof:
         assert prof is None
         _run_steps(prof, 1)
     assert list(tmp_path.iterdir()) == []
-    with build_profiler(_hand_ctx(1, 2), kwargs, ranks={1}) as chosen:
+    with build_profiler(rank_ctx(2, 1), kwargs, ranks={1}) as chosen:
         assert isinstance(chosen, torch.profiler.profile)
     assert [p.name for p in tmp_path.iterdir()] == ["profile_1.json"]
 
@@ -219,7 +211,7 @@ def test_build_profiler_rejects_bad_ranks(
     ranks: Any, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        build_profiler(_hand_ctx(0, 2), ranks=ranks)
+        build_profiler(rank_ctx(2, 0), ranks=ranks)
 
 
 def test_build_profiler_rejects_wrong_argument_types() -> None:

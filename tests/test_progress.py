@@ -10,16 +10,10 @@ from typing import Any
 import pytest
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.progress import progress
+from tests.fixtures import rank_ctx
 
 MAIN = DistributedContext()
-
-
-def _rank(rank: int) -> DistributedContext:
-    return DistributedContext(
-        num_processes=2, process_index=rank, distributed_type=DistributedType.MULTI_CPU
-    )
 
 
 def _no_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,7 +92,7 @@ def test_progress_is_silent_on_other_ranks(
     if not tqdm_available:
         _no_tqdm(monkeypatch)
     items = _generate(3)
-    assert list(progress(_rank(1), items, desc="train", every=1)) == [0, 1, 2]
+    assert list(progress(rank_ctx(2, 1), items, desc="train", every=1)) == [0, 1, 2]
     assert capsys.readouterr() == ("", "")
 
 

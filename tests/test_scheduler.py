@@ -1,4 +1,7 @@
-"""maybe_step_scheduler: SPEC §6.1 rules, examples and errors (simulated ranks)."""
+"""maybe_step_scheduler: rules, examples and errors (simulated ranks).
+
+The rules: docs/accumulate.md#semantics-stepping-the-scheduler.
+"""
 
 from __future__ import annotations
 
@@ -19,21 +22,13 @@ from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import advance_grad_state
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
+from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
-
-
-def _rank(p: int, i: int = 0) -> DistributedContext:
-    if p == 1:
-        return ONE
-    return DistributedContext(
-        num_processes=p, process_index=i, distributed_type=DistributedType.MULTI_CPU
-    )
 
 
 def _optimizer() -> torch.optim.SGD:
@@ -73,7 +68,7 @@ def test_spec_example_step_lr_two_ranks_k2(
     scheduler = StepLR(_optimizer(), step_size=1)
     flags = [False, False, False, True]  # 4 batches per rank
     _, counts = _simulate(
-        _rank(2, rank),
+        rank_ctx(2, rank),
         scheduler,
         GradState(accumulation_steps=2),
         flags,
@@ -87,7 +82,7 @@ def test_spec_example_one_cycle_total_3_two_ranks_never_steps_past_its_end(
     rank: int,
 ) -> None:
     scheduler = OneCycleLR(_optimizer(), max_lr=1.0, total_steps=3)
-    steps, counts = _simulate(_rank(2, rank), scheduler, GradState(), [False] * 3)
+    steps, counts = _simulate(rank_ctx(2, rank), scheduler, GradState(), [False] * 3)
     assert counts == [3, 4, 4]
     assert steps == [2, 1, 0]
 
@@ -103,7 +98,7 @@ def test_one_cycle_guard_applies_on_every_path(
     optimizer.step()
     steps = [
         maybe_step_scheduler(
-            _rank(4),
+            rank_ctx(4),
             scheduler,
             GradState(),
             split_batches=split_batches,
@@ -152,7 +147,7 @@ def test_scheduler_steps_due_table_on_three_ranks(
 ) -> None:
     for rank in range(3):
         due = scheduler_steps_due(
-            _rank(3, rank),
+            rank_ctx(3, rank),
             grad,
             split_batches=split,
             step_with_optimizer=with_optimizer,
@@ -181,7 +176,7 @@ def test_scheduler_counts_applied_updates_times_processes(
         )
     scheduler = StepLR(_optimizer(), step_size=1)
     steps, counts = _simulate(
-        _rank(p), scheduler, GradState(accumulation_steps=k), flags,
+        rank_ctx(p), scheduler, GradState(accumulation_steps=k), flags,
         skipped=skips, split_batches=split,
     )  # fmt: skip
     assert sum(steps) == (1 if split else p) * grad.optimizer_steps
@@ -196,7 +191,7 @@ def test_reduce_lr_on_plateau_takes_metrics() -> None:
         assert maybe_step_scheduler(ONE, scheduler, GradState(), metrics=metric) == 1
     assert optimizer.param_groups[0]["lr"] == 1.0
     n = maybe_step_scheduler(
-        _rank(2), scheduler, GradState(), metrics=2.0, step_with_optimizer=False
+        rank_ctx(2), scheduler, GradState(), metrics=2.0, step_with_optimizer=False
     )
     assert n == 1
     assert optimizer.param_groups[0]["lr"] == 0.5
@@ -226,7 +221,7 @@ def test_any_object_with_step_is_stepped() -> None:
             self.calls += 1
 
     counter = Counter()
-    assert maybe_step_scheduler(_rank(3, 2), counter, GradState()) == 3
+    assert maybe_step_scheduler(rank_ctx(3, 2), counter, GradState()) == 3
     assert counter.calls == 3
 
 

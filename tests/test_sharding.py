@@ -1,4 +1,8 @@
-"""Tests for ``funcaccel.sharding``: the SPEC §2 and §3 tables, errors and properties."""
+"""Tests for ``funcaccel.sharding``: the rules and tables, errors and properties.
+
+The rules are docs/sharding.md#semantics-sharding-a-batch-sampler and
+docs/sharding.md#semantics-sharding-an-iterable-dataset.
+"""
 
 from __future__ import annotations
 
@@ -70,7 +74,10 @@ def spec_shards(
     even_batches: bool,
     drop_last: bool,
 ) -> list[Batches]:
-    """SPEC §2, transcribed literally over materialised base batches (the test oracle)."""
+    """The batch-sampler rules, transcribed literally over materialised base batches.
+
+    The test oracle: docs/sharding.md#semantics-sharding-a-batch-sampler.
+    """
     p, k = num_processes, len(batches)
     out: list[Batches] = [[] for _ in range(p)]
 
@@ -124,7 +131,7 @@ def spec_shards(
     return out
 
 
-# --- SPEC §2.1, row by row -------------------------------------------------------
+# --- docs/sharding.md#worked-examples-batch-sampler-rank-by-rank, row by row ----
 
 # mode -> (even_batches, drop_last) pairs it stands for
 MODES: dict[str, list[tuple[bool, bool]]] = {
@@ -483,7 +490,7 @@ def test_iter_from_does_not_slice_skipped_batches() -> None:
     assert log == [8]  # only the one batch that was yielded was cut
 
 
-# --- SPEC §3 ---------------------------------------------------------------------
+# --- docs/sharding.md#semantics-sharding-an-iterable-dataset ---------------------
 
 
 class Stream(IterableDataset[int]):
@@ -729,7 +736,8 @@ def test_iter_from_is_dropping_this_ranks_first_batches(
         assert list(shard.iter_from(skip)) == list(shard)[skip:]
 
 
-# --- optional: Accelerate 1.15 as an oracle (batches only; lens differ, SPEC §11) --
+# --- optional: Accelerate 1.15 as an oracle (batches only; lens differ:
+# docs/migration.md#semantics-deliberate-differences-from-accelerate) ----------
 
 
 @pytest.fixture(scope="module")

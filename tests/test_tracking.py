@@ -1,4 +1,4 @@
-"""Tests for tracker gating (SPEC §9) and the built-in trackers."""
+"""Tests for tracker gating (docs/tracking.md#semantics-trackers-and-gating) and the built-in trackers."""
 
 from __future__ import annotations
 

@@ -1,0 +1,71 @@
+"""Shared test fixtures: hand-built rank contexts and small recording datasets.
+
+``rank_ctx`` describes any rank of any world without a process group, so pure code
+(sharding, scheduling, gating) can be checked for every rank in one process. The
+datasets yield their own indices as tensors: ``Indexed`` (map-style, records every
+fetch), ``Stream`` (iterable, no ``len()``) and ``SizedStream`` (iterable, sized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data import IterableDataset
+from typing_extensions import Unpack
+
+from funcaccel import testing
+from funcaccel.context import DistributedContext
+from funcaccel.testing import ContextFields
+
+__all__ = ["Indexed", "SizedStream", "Stream", "rank_ctx"]
+
+
+def rank_ctx(
+    num_processes: int = 1, process_index: int = 0, **fields: Unpack[ContextFields]
+) -> DistributedContext:
+    """``funcaccel.testing.rank_ctx``, with rank 0 of 1 as the default.
+
+    >>> rank_ctx().num_processes, rank_ctx(4, 3).distributed_type.name
+    (1, 'MULTI_CPU')
+    """
+    return testing.rank_ctx(num_processes, process_index, **fields)
+
+
+class Indexed(Dataset[torch.Tensor]):
+    """Items are their own indices; every successful ``__getitem__`` is recorded.
+
+    ``fail_at`` names an index whose fetch raises ``KeyError`` (and is not recorded).
+    """
+
+    def __init__(self, n: int, *, fail_at: int | None = None) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.fail_at:
+            raise KeyError(f"no sample {index}")
+        self.fetched.append(index)
+        return torch.tensor(index)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    """The stream ``0 .. n-1`` as tensors, without ``len()``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor(i) for i in range(self.n))
+
+
+class SizedStream(Stream):
+    """The stream ``0 .. n-1`` as tensors, with ``len()``."""
+
+    def __len__(self) -> int:
+        return self.n
