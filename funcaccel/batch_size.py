@@ -152,7 +152,7 @@ def find_executable_batch_size(
     batch_size = starting_batch_size
     while True:
         result, code, error, oom_text = _attempt(fn, batch_size)
-        codes = exchange_codes(ctx, code)
+        codes = exchange_codes(ctx, code, caller=caller)
         errors = [rank for rank, c in enumerate(codes) if c == _ERROR]
         if error is not None:
             raise error
@@ -200,7 +200,7 @@ def _check_same_start(ctx: DistributedContext, caller: str, start: int) -> None:
         return
     # Ranks that started differently would halve in lockstep and end with
     # different batch sizes; one small collective before the first attempt.
-    starts = exchange_codes(ctx, start)
+    starts = exchange_codes(ctx, start, caller=caller)
     if len(set(starts)) > 1:
         msg = (
             f"{caller}: every rank must pass the same starting_batch_size; got "

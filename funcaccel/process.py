@@ -57,7 +57,7 @@ def _meet(ctx: DistributedContext, caller: str, stage: str, failed: bool) -> Non
     exception); the others raise a ``RuntimeError`` naming the failed ranks, so no
     rank goes on to wait for a rank that has given up.
     """
-    codes = exchange_codes(ctx, _FAILED if failed else 0)
+    codes = exchange_codes(ctx, _FAILED if failed else 0, caller=caller)
     failed_ranks = [rank for rank, code in enumerate(codes) if code == _FAILED]
     if failed_ranks and not failed:
         msg = (

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from funcaccel.checkpoint import save_checkpoint
+from funcaccel.collectives import any_process
 from funcaccel.collectives import gather
 from funcaccel.collectives import guard_collective
 from funcaccel.collectives import reduce
+from funcaccel.collectives import wait_for_everyone
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from tests._dist import run_ranks
@@ -53,7 +55,7 @@ def _wait_for(flag: Path) -> None:
 
 
 def _rank_zero_only(ctx: DistributedContext, run: Path) -> dict[str, Any]:
-    """Rank 0 calls three collectives alone; rank 1 waits them out, then calls late."""
+    """Rank 0 calls five collectives alone; rank 1 waits them out, then calls late."""
     ctx = dataclasses.replace(ctx, collective_timeout=BOUND_S)
     done = run / "rank-0-done"
     checkpoints = run / "checkpoints"
@@ -64,11 +66,13 @@ def _rank_zero_only(ctx: DistributedContext, run: Path) -> dict[str, Any]:
             ),
             "gather": _outcome(lambda: gather(ctx, torch.ones(1))),
             "reduce": _outcome(lambda: reduce(ctx, torch.ones(1), reduction="sum")),
+            "wait_for_everyone": _outcome(lambda: wait_for_everyone(ctx)),
+            "any_process": _outcome(lambda: any_process(ctx, True)),
             "written": checkpoints.exists() and any(checkpoints.iterdir()),
         }
         done.touch()
         return out
-    # Never joins the three calls; waits (well past the bound) until rank 0 gave up
+    # Never joins the five calls; waits (well past the bound) until rank 0 gave up
     # on all of them, then makes the first one late.
     _wait_for(done)
     late = _outcome(lambda: save_checkpoint(ctx, checkpoints, models=nn.Linear(1, 1)))
@@ -82,7 +86,9 @@ def rank_zero_only(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, A
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("call", ["save_checkpoint", "gather", "reduce"])
+@pytest.mark.parametrize(
+    "call", ["save_checkpoint", "gather", "reduce", "wait_for_everyone", "any_process"]
+)
 def test_a_call_on_rank_zero_only_fails_there_within_the_bound(
     rank_zero_only: list[dict[str, Any]], call: str
 ) -> None:

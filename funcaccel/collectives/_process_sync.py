@@ -30,6 +30,7 @@ from typing import overload
 import torch
 import torch.distributed as dist
 
+from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._primitives import comm_device
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -90,19 +91,22 @@ def wait_for_everyone(ctx: DistributedContext) -> None:
     require_process_group(ctx, "wait_for_everyone")
     if ctx.num_processes == 1:
         return
+    guard_collective(ctx, "wait_for_everyone")
     dist.barrier(device_ids=_device_ids(ctx))
 
 
-def exchange_codes(ctx: DistributedContext, code: int) -> list[int]:
+def exchange_codes(ctx: DistributedContext, code: int, *, caller: str) -> list[int]:
     """Return every rank's ``code`` (a small int >= 0), indexed by rank.
 
     One all-reduce of a ``num_processes``-long vector in which each rank fills only
-    its own slot (``any_process``, ``main_process_first``
-    and ``find_executable_batch_size`` are built on it). The caller has checked
+    its own slot (``any_process``, ``main_process_first`` and
+    ``find_executable_batch_size`` are built on it), guarded by
+    ``ctx.collective_timeout`` under ``caller``'s name. The caller has checked
     the process group.
     """
     if ctx.num_processes == 1:
         return [code]
+    guard_collective(ctx, caller)
     slots = torch.zeros(ctx.num_processes, dtype=torch.int64, device=comm_device(ctx))
     slots[ctx.process_index] = code
     dist.all_reduce(slots, op=dist.ReduceOp.SUM)
@@ -117,7 +121,7 @@ def _agreed_flags(ctx: DistributedContext, caller: str, flag: object) -> list[in
     good = type(flag) is bool
     # A rank that raised before the all-reduce would leave the others in it until
     # the timeout, so a bad flag travels as code 2 and every rank raises.
-    codes = exchange_codes(ctx, (1 if flag else 0) if good else 2)
+    codes = exchange_codes(ctx, (1 if flag else 0) if good else 2, caller=caller)
     bad = [rank for rank, code in enumerate(codes) if code == 2]
     if not good:
         msg = (
