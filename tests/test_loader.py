@@ -30,12 +30,15 @@ from hypothesis import assume
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity
+from torch.utils.data import BatchSampler
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset
 from torch.utils.data import IterableDataset
 from torch.utils.data import RandomSampler
+from torch.utils.data import Sampler
 from torch.utils.data import SequentialSampler
 from torch.utils.data import SubsetRandomSampler
+from torch.utils.data import TensorDataset
 from torch.utils.data import get_worker_info
 
 from funcaccel.context import DistributedContext
@@ -1774,3 +1777,58 @@ def test_cuda_rng_sync_and_dispatch_onto_the_gpu_over_gloo(tmp_path: Path) -> No
                 ("cuda", -1),
                 ("cuda", 1),
             ]
+
+
+# ------------------------------------------ a BatchSampler given as the sampler
+
+
+def _as_sampler(n: int, bs: int, *, shuffle: bool, drop_last: bool) -> DataLoader[Any]:
+    """``DataLoader(sampler=BatchSampler(...), batch_size=None)``: whole index lists."""
+    data = TensorDataset(torch.arange(n) * 10)
+    inner: Sampler[int] = RandomSampler(data) if shuffle else SequentialSampler(data)
+    return DataLoader(data, sampler=BatchSampler(inner, bs, drop_last), batch_size=None)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"split_batches": True}, {"even_batches": False}],
+    ids=["even", "split", "uneven"],
+)
+@given(n=st.integers(0, 13), drop_last=st.booleans(), k=st.integers(1, 3))
+def test_a_batch_sampler_given_as_sampler_shards_like_batch_size(
+    p: int, shuffle: bool, options: dict[str, Any], n: int, drop_last: bool, k: int
+) -> None:
+    assume(n > 0 or not shuffle)  # torch's RandomSampler refuses empty data
+    bs = k * p if options.get("split_batches") else k
+    plain = TensorDataset(torch.arange(n) * 10)
+    for rank in range(p):
+        ctx = rank_ctx(p, rank)
+        given_loader = shard_loader(
+            ctx, _as_sampler(n, bs, shuffle=shuffle, drop_last=drop_last), seed=3, **options
+        )
+        reference = shard_loader(
+            ctx,
+            DataLoader(plain, batch_size=bs, shuffle=shuffle, drop_last=drop_last),
+            seed=3,
+            **options,
+        )
+        assert given_loader.total_batch_size == reference.total_batch_size
+        for epoch in (0, 1):
+            state = LoaderState(epoch=epoch)
+            got = [b.data[0].tolist() for b in iter_batches(given_loader, state)]
+            want = [b.data[0].tolist() for b in iter_batches(reference, state)]
+            assert got == want
+            remainders = [b.remainder for b in iter_batches(given_loader, state)]
+            assert remainders == [b.remainder for b in iter_batches(reference, state)]
+        assert len(given_loader) == len(reference)
+
+
+def test_a_batch_sampler_given_as_sampler_with_a_generator_is_refused() -> None:
+    data = TensorDataset(torch.arange(4))
+    sampler = BatchSampler(
+        RandomSampler(data, generator=torch.Generator().manual_seed(5)), 2, False
+    )
+    with pytest.raises(ValueError, match=r"pass the seed to shard_loader instead"):
+        shard_loader(rank_ctx(2, 0), DataLoader(data, sampler=sampler, batch_size=None))

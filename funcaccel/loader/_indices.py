@@ -82,6 +82,9 @@ class BaseIndices:
     ``"given"`` for anything else, used as it is. ``batched`` is false when the
     loader does not batch (then items are single indices); with ``"given"`` and
     ``batched``, ``source`` is the user's batch sampler, else the user's sampler.
+    ``whole_items`` is true for a ``DataLoader(sampler=BatchSampler(...),
+    batch_size=None)``: the stream is batched, but each index list is passed to
+    the dataset whole (``dataset[indices]``), as that ``DataLoader`` does.
     """
 
     kind: Literal["random", "sequential", "given"]
@@ -90,6 +93,12 @@ class BaseIndices:
     batch_size: int | None
     drop_last: bool
     seed: int
+    whole_items: bool = False
+
+    @property
+    def fetch_batched(self) -> bool:
+        """Whether each item is fetched index by index (torch's automatic batching)."""
+        return self.batched and not self.whole_items
 
     def for_epoch(self, epoch: int) -> Iterable[Any]:
         """Return epoch ``epoch``'s stream (index lists, or indices when unbatched)."""

@@ -165,7 +165,7 @@ def _check_no_generator(dataloader: DataLoader[Any]) -> None:
     """Refuse a generator the loader would ignore, rather than ignore it silently."""
     if isinstance(dataloader.generator, torch.Generator):
         raise _unused_generator("the DataLoader", dataloader.generator)
-    batch_sampler: Any = dataloader.batch_sampler
+    batch_sampler: Any = _batches_of(dataloader)
     sampler: Any = (
         dataloader.sampler
         if batch_sampler is None
@@ -179,15 +179,27 @@ def _check_no_generator(dataloader: DataLoader[Any]) -> None:
         raise _unused_generator("the DataLoader's RandomSampler", generator)
 
 
+def _batches_of(dataloader: DataLoader[Any]) -> Any:
+    """Return what yields ``dataloader``'s index lists, or ``None`` when it has none.
+
+    That is its batch sampler, or, for ``DataLoader(sampler=BatchSampler(...),
+    batch_size=None)``, the ``BatchSampler`` given as its sampler.
+    """
+    if dataloader.batch_sampler is not None:
+        return dataloader.batch_sampler
+    sampler = dataloader.sampler
+    return sampler if isinstance(sampler, BatchSampler) else None
+
+
 def _original_batch_size(dataloader: DataLoader[Any]) -> int | None:
     if dataloader.batch_size is not None:
         return dataloader.batch_size
-    size: Any = getattr(dataloader.batch_sampler, "batch_size", None)
+    size: Any = getattr(_batches_of(dataloader), "batch_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _base_indices(dataloader: DataLoader[Any], seed: int) -> BaseIndices:
-    batch_sampler: Any = dataloader.batch_sampler
+    batch_sampler: Any = _batches_of(dataloader)
     if batch_sampler is None:  # no automatic batching: items are single indices
         sampler: Any = dataloader.sampler
         source, batch_size, drop_last = sampler, None, False
@@ -213,6 +225,7 @@ def _base_indices(dataloader: DataLoader[Any], seed: int) -> BaseIndices:
         batch_size=batch_size,
         drop_last=drop_last,
         seed=seed,
+        whole_items=dataloader.batch_sampler is None and batch_sampler is not None,
     )
 
 
@@ -283,12 +296,13 @@ def build_setup(
     dispatch = wanted and p > 1
     bs = _original_batch_size(dataloader)
     batched = dataloader.batch_sampler is not None
+    yields_batches = _batches_of(dataloader) is not None
     _check_batching(
         ctx,
         batch_size=bs,
         split_batches=split_batches,
         dispatch=dispatch,
-        batched=batched,
+        batched=yields_batches,
     )
     total = None if bs is None else bs if split_batches else bs * p
     kept = kept_settings(dataloader)

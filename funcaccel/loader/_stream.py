@@ -185,7 +185,7 @@ def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
             even_batches=setup.even_batches,
         )
         indices = shard.iter_from(skip)
-    return read_batches(setup.inner, indices, batched=setup.base.batched)
+    return read_batches(setup.inner, indices, batched=setup.base.fetch_batched)
 
 
 def local_batches(setup: Setup, epoch: int) -> Iterator[Any]:
@@ -238,7 +238,7 @@ def _dispatch_base(
             _skip_exactly(
                 setup, itertools.chain(head, indices), skip, epoch, head_count
             )
-    yield from read_batches(setup.inner, indices, batched=setup.base.batched)
+    yield from read_batches(setup.inner, indices, batched=setup.base.fetch_batched)
 
 
 def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
