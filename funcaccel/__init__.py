@@ -75,6 +75,7 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
+from funcaccel.rng import sync_rng_states
 from funcaccel.process import get_logger
 from funcaccel.process import local_main_process_first
 from funcaccel.process import main_process_first
@@ -237,6 +238,7 @@ __all__ = [
     "split_between_processes",
     "store_config",
     "sync_ctx",
+    "sync_rng_states",
     "sync_in_backward",
     "trackers_from_names",
     "unscale_grads_",

@@ -10,10 +10,15 @@ from collections.abc import Sequence
 
 import torch
 
+from funcaccel._checks import summary
+from funcaccel._checks import type_name
+from funcaccel._typing import RNG_TYPES
 from funcaccel._typing import RngType
 from funcaccel.collectives import broadcast_
 from funcaccel.collectives import comm_device
+from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
 __all__ = ["sync_rng_states"]
@@ -40,16 +45,51 @@ def sync_rng_states(
     Nothing happens with one process, or when nothing is left to synchronise.
     Changes the generators' states in place.
 
-    With two ranks seeded differently, after the call ``torch.rand(1)`` returns
-    rank 0's value on both ranks.
+    With two ranks seeded differently (rank 0 ``torch.manual_seed(0)``, rank 1
+    ``torch.manual_seed(1)``), after ``sync_rng_states(ctx, ["torch"])`` a
+    ``torch.rand(1)`` returns rank 0's value on both ranks. It is a collective:
+    call it on every rank (``ctx.collective_timeout`` bounds the wait).
 
     Raises:
+        TypeError: ``ctx`` is not a context, ``rng_types`` not a sequence of
+            names, or ``generator`` not a ``torch.Generator``.
+        ValueError: a name other than ``"torch"``, ``"cuda"`` or ``"generator"``,
+            or ``"cuda"`` on a context whose device is not a GPU.
         RuntimeError: ``ctx.num_processes > 1`` and no matching default group.
+
+    >>> sync_rng_states(DistributedContext(), ["torch"])  # one process: nothing to do
     """
+    check_context(ctx, caller)
+    if isinstance(rng_types, (str, bytes)) or not isinstance(rng_types, Sequence):
+        msg = (
+            f"{caller}: rng_types must be a sequence of names such as ['torch']; "
+            f"got {summary(rng_types)} ({type_name(rng_types)})."
+        )
+        raise TypeError(msg)
+    for name in rng_types:
+        if name not in RNG_TYPES:
+            msg = (
+                f"{caller}: unknown rng_types entry {summary(name)}; use "
+                f"{', '.join(repr(n) for n in RNG_TYPES)}."
+            )
+            raise ValueError(msg)
+        if name == "cuda" and ctx.device.type != "cuda":
+            msg = (
+                f"{caller}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
+                "drop 'cuda' or build the context on a GPU."
+            )
+            raise ValueError(msg)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        msg = (
+            f"{caller}: generator must be a torch.Generator or None; got "
+            f"{summary(generator)} ({type_name(generator)})."
+        )
+        raise TypeError(msg)
     names = [name for name in rng_types if name != "generator" or generator]
     if ctx.num_processes == 1 or not names:
         return
     require_process_group(ctx, caller)
+    guard_collective(ctx, caller)
     for name in names:
         if name == "torch":
             torch.set_rng_state(_broadcast_state(ctx, torch.get_rng_state()))
