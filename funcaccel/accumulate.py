@@ -53,6 +53,7 @@ from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
+from funcaccel.model import check_optimizers_hold
 from funcaccel.model import inside_compile
 
 __all__ = [
@@ -284,8 +285,10 @@ def accumulate_step(
     Raises:
         TypeError: an argument of the wrong type, or ``loss_fn()`` not returning a
             tensor.
-        ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, or a loss that
-            is not a scalar or does not require grad.
+        ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, a loss that
+            is not a scalar or does not require grad, or (on a syncing micro-step)
+            an optimizer holding none of an FSDP2 model's parameters (built before
+            ``wrap_model`` and not passed to its ``optimizers``).
         RuntimeError: several processes but no matching process group.
     """
     if not (  # the usual arguments in one expression (this runs per micro-step)
@@ -342,6 +345,10 @@ def accumulate_step(
         loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     skipped = False
     if synced:
+        if ctx.num_processes > 1:
+            # Once per window: an optimizer built before FSDP2 replaced the
+            # parameters would step nothing, silently.
+            check_optimizers_hold(models, optimizers, "accumulate_step")
         m = grad.micro_step + 1
         if m < k:
             rescale_grads_(optimizers, k / m)
