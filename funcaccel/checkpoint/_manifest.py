@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Final
 from typing import Literal
 from typing import TypeVar
 
+from funcaccel._checks import summary
 from funcaccel.checkpoint import _layout
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
@@ -46,18 +48,24 @@ def check_json_value(value: object, where: str, caller: str) -> Any:
     """Return a deep copy of ``value`` after checking that JSON round-trips it exactly.
 
     Allowed: str, int, finite float, bool, None, lists and str-keyed dicts of them.
+    Numpy scalars (``np.int64(3)``, ``np.float32(0.5)``, ``np.bool_(True)``) are
+    copied as the Python number they hold.
 
     >>> check_json_value({"step": 3, "tags": ["a"]}, "extra", "f")
     {'step': 3, 'tags': ['a']}
+    >>> import numpy as np
+    >>> check_json_value([np.int64(3), np.float32(0.5), np.bool_(True)], "extra", "f")
+    [3, 0.5, True]
     >>> check_json_value({"t": (1, 2)}, "extra", "f")
     Traceback (most recent call last):
     ...
     TypeError: f: extra['t'] must be JSON (str, int, finite float, bool, None, list, ...
     """
-    if value is None or isinstance(value, (str, bool, int)):
+    if value is None or isinstance(value, (str, bool)) or type(value) is int:
         return value
-    if isinstance(value, float) and math.isfinite(value):
-        return value
+    number = _python_number(value)
+    if number is not None and (not isinstance(number, float) or math.isfinite(number)):
+        return number
     if isinstance(value, list):
         return [
             check_json_value(v, f"{where}[{i}]", caller) for i, v in enumerate(value)
@@ -68,10 +76,43 @@ def check_json_value(value: object, where: str, caller: str) -> Any:
         }
     msg = (
         f"{caller}: {where} must be JSON (str, int, finite float, bool, None, list, "
-        f"dict with str keys); got {value!r} ({type(value).__name__}). Convert it, "
-        "e.g. a tuple to a list."
+        f"dict with str keys); got {summary(value)} ({type(value).__name__}). "
+        f"{_json_hint(value)}"
     )
     raise TypeError(msg)
+
+
+def _python_number(value: object) -> int | float | bool | None:
+    """Return ``value`` as a Python int, float or bool, if it is a scalar of one."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):  # an IntEnum, say
+        return int(value)
+    if isinstance(value, float):  # np.float64 is a float subclass
+        return float(value)
+    numpy = sys.modules.get("numpy")  # no numpy scalar exists before numpy loads
+    if numpy is not None and isinstance(value, numpy.generic):
+        if isinstance(value, numpy.bool_):
+            return bool(value)
+        if isinstance(value, numpy.integer):
+            return int(value)
+        if isinstance(value, numpy.floating):
+            return float(value)
+    return None
+
+
+def _json_hint(value: object) -> str:
+    if isinstance(value, float) or _python_number(value) is not None:
+        return "Store a finite number (NaN and infinities are not JSON)."
+    if isinstance(value, tuple):
+        return "Convert the tuple to a list."
+    if isinstance(value, (set, frozenset)):
+        return "Convert the set to a sorted list."
+    if isinstance(value, Mapping):
+        return "Use str keys (JSON object keys are strings)."
+    if hasattr(value, "tolist"):  # tensors and numpy arrays
+        return "Convert it with .item() (one value) or .tolist()."
+    return "Convert it to one of these, e.g. with str(), int() or float()."
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
