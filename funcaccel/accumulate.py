@@ -36,6 +36,7 @@ from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -126,7 +127,7 @@ def _check_loss(loss: object) -> None:
     if not isinstance(loss, torch.Tensor):
         msg = (
             f"accumulate_step: loss_fn() must return the loss of one micro-batch as "
-            f"a torch.Tensor; got {loss!r} ({type(loss).__name__})."
+            f"a torch.Tensor; got {summary(loss)} ({type(loss).__name__})."
         )
         raise TypeError(msg)
     if loss.numel() != 1:
@@ -160,7 +161,7 @@ def _check_step_args(
     if not callable(loss_fn):
         msg = (
             f"{caller}: loss_fn must be a callable taking no argument and returning "
-            f"the micro-batch loss; got {loss_fn!r} ({type(loss_fn).__name__})."
+            f"the micro-batch loss; got {summary(loss_fn)} ({type(loss_fn).__name__})."
         )
         raise TypeError(msg)
     check_bool(caller, "end_of_dataloader", end_of_dataloader)
@@ -177,7 +178,7 @@ def _check_step_args(
     if autocast_kwargs is not None and not isinstance(autocast_kwargs, AutocastKwargs):
         msg = (
             f"{caller}: autocast_kwargs must be an AutocastKwargs or None; got "
-            f"{autocast_kwargs!r} ({type(autocast_kwargs).__name__})."
+            f"{summary(autocast_kwargs)} ({type(autocast_kwargs).__name__})."
         )
         raise TypeError(msg)
 

@@ -45,9 +45,7 @@ _CALLER: Final = "maybe_step_scheduler"
 
 def _check_flag(caller: str, name: str, value: object) -> None:
     if type(value) is not bool:
-        msg = (
-            f"{caller}: {name} must be a bool; got {value!r} ({type(value).__name__})."
-        )
+        msg = f"{caller}: {name} must be a bool; got {summary(value)} ({type(value).__name__})."
         raise TypeError(msg)
 
 
@@ -263,7 +261,7 @@ def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
     if not callable(getattr(scheduler, "step", None)):
         msg = (
             f"{_CALLER}: scheduler must have a step() method; got "
-            f"{scheduler!r} ({type(scheduler).__name__})."
+            f"{summary(scheduler)} ({type(scheduler).__name__})."
         )
         raise TypeError(msg)
     if plateau and metrics is None:
@@ -274,7 +272,7 @@ def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
         raise ValueError(msg)
     if not plateau and metrics is not None:
         msg = (
-            f"{_CALLER}: metrics={metrics!r} is only used by "
+            f"{_CALLER}: metrics={summary(metrics)} is only used by "
             f"ReduceLROnPlateau, not {type(scheduler).__name__}; drop metrics."
         )
         raise ValueError(msg)
@@ -289,6 +287,6 @@ def _check_metrics(metrics: object) -> None:
     except (TypeError, ValueError, RuntimeError):
         msg = (
             f"{_CALLER}: metrics must be a number or a one-element tensor for "
-            f"ReduceLROnPlateau to compare; got {metrics!r} ({type(metrics).__name__})."
+            f"ReduceLROnPlateau to compare; got {summary(metrics)} ({type(metrics).__name__})."
         )
         raise TypeError(msg) from None

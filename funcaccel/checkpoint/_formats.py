@@ -33,6 +33,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
 from funcaccel.checkpoint import _layout
@@ -70,7 +71,7 @@ def _as_tuple(
         if all(isinstance(item, kind) for item in items):
             return items
     msg = (
-        f"{caller}: {name} must be {what} or a sequence of them; got {value!r} "
+        f"{caller}: {name} must be {what} or a sequence of them; got {summary(value)} "
         f"({type(value).__name__})."
     )
     raise TypeError(msg)
@@ -105,17 +106,15 @@ def check_state_objects(
     """
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        msg = (
-            f"{caller}: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
-        )
+        msg = f"{caller}: scaler must be a torch.amp.GradScaler or None; got {summary(scaler)}."
         raise TypeError(msg)
     if objects is not None and not isinstance(objects, Mapping):
-        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {objects!r}."
+        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {summary(objects)}."
         raise TypeError(msg)
     named = dict(objects or {})
     for key, value in named.items():

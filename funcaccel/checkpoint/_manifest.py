@@ -135,7 +135,7 @@ class FileEntry:
         if digest is not None and (
             not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX
         ):
-            msg = f"FileEntry: sha256 must be 64 lowercase hex digits or None; got {digest!r}."
+            msg = f"FileEntry: sha256 must be 64 lowercase hex digits or None; got {summary(digest)}."
             raise ValueError(msg)
 
 
@@ -144,7 +144,7 @@ def _field(
 ) -> Any:
     value = data[key]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        msg = f"CheckpointMeta.from_dict: {key!r} has the wrong type: got {value!r} ({type(value).__name__})."
+        msg = f"CheckpointMeta.from_dict: {key!r} has the wrong type: got {summary(value)} ({type(value).__name__})."
         raise TypeError(msg)
     return value
 
@@ -196,7 +196,7 @@ class CheckpointMeta:
         ):
             value, least = getattr(self, name), int(name == "world_size")
             if type(value) is not int:
-                msg = f"{owner}: {name} must be an int; got {value!r} ({type(value).__name__})."
+                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
                 raise TypeError(msg)
             if value < least:
                 msg = f"{owner}: {name} must be >= {least}; got {value}."
@@ -206,28 +206,34 @@ class CheckpointMeta:
             raise ValueError(msg)
         for name in ("scaler", "rng"):
             if type(getattr(self, name)) is not bool:
-                msg = f"{owner}: {name} must be a bool; got {getattr(self, name)!r}."
+                msg = f"{owner}: {name} must be a bool; got {summary(getattr(self, name))}."
                 raise TypeError(msg)
         if not isinstance(self.objects, tuple) or not all(
             isinstance(o, str) for o in self.objects
         ):
-            msg = f"{owner}: objects must be a tuple of str; got {self.objects!r}."
+            msg = (
+                f"{owner}: objects must be a tuple of str; got {summary(self.objects)}."
+            )
             raise TypeError(msg)
         if self.grad is not None and not isinstance(self.grad, GradState):
-            msg = f"{owner}: grad must be a GradState or None; got {self.grad!r}."
+            msg = (
+                f"{owner}: grad must be a GradState or None; got {summary(self.grad)}."
+            )
             raise TypeError(msg)
         if self.loader is not None and not isinstance(self.loader, LoaderState):
-            msg = f"{owner}: loader must be a LoaderState or None; got {self.loader!r}."
+            msg = f"{owner}: loader must be a LoaderState or None; got {summary(self.loader)}."
             raise TypeError(msg)
         object.__setattr__(self, "extra", check_json_value(self.extra, "extra", owner))
         if not isinstance(self.extra, dict):
-            msg = f"{owner}: extra must be a dict; got {self.extra!r}."
+            msg = f"{owner}: extra must be a dict; got {summary(self.extra)}."
             raise TypeError(msg)
         if not isinstance(self.files, Mapping) or not all(
             isinstance(k, str) and isinstance(v, FileEntry)
             for k, v in self.files.items()
         ):
-            msg = f"{owner}: files must map str to FileEntry; got {self.files!r}."
+            msg = (
+                f"{owner}: files must map str to FileEntry; got {summary(self.files)}."
+            )
             raise TypeError(msg)
         object.__setattr__(self, "files", dict(self.files))
 
@@ -301,7 +307,7 @@ class CheckpointMeta:
 
 def _file_entry(name: object, value: object) -> FileEntry:
     if not isinstance(value, dict) or set(value) != {"size", "sha256"}:
-        msg = f"CheckpointMeta.from_dict: files[{name!r}] must be {{'size': ..., 'sha256': ...}}; got {value!r}."
+        msg = f"CheckpointMeta.from_dict: files[{name!r}] must be {{'size': ..., 'sha256': ...}}; got {summary(value)}."
         raise ValueError(msg)
     return FileEntry(size=value["size"], sha256=value["sha256"])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import summary
 
 __all__ = ["check_pad_args", "check_pad_fill", "pad_tensor"]
 
@@ -62,7 +63,9 @@ def pad_tensor(
 
 def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
     if not isinstance(dim, int) or isinstance(dim, bool):
-        msg = f"{caller}: dim must be an int; got {dim!r} ({type(dim).__name__})."
+        msg = (
+            f"{caller}: dim must be an int; got {summary(dim)} ({type(dim).__name__})."
+        )
         raise TypeError(msg)
     if dim < 0:
         msg = (
@@ -70,7 +73,7 @@ def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
         )
         raise ValueError(msg)
     if not isinstance(pad_index, (int, float)):
-        msg = f"{caller}: pad_index must be a number; got {pad_index!r}; pass an int or a float."
+        msg = f"{caller}: pad_index must be a number; got {summary(pad_index)}; pass an int or a float."
         raise TypeError(msg)
 
 

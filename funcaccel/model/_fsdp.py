@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._dist_types import is_instance_if_loaded
@@ -70,14 +71,14 @@ class FSDPOptions:
         if isinstance(classes, (str, bytes)) or not isinstance(classes, Sequence):
             msg = (
                 f"{owner}: shard_modules must be a sequence of nn.Module classes; got "
-                f"{classes!r}. Use e.g. shard_modules=(TransformerBlock,)."
+                f"{summary(classes)}. Use e.g. shard_modules=(TransformerBlock,)."
             )
             raise TypeError(msg)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                 msg = (
                     f"{owner}: shard_modules must hold nn.Module subclasses; got "
-                    f"{cls!r}. Pass the class (e.g. nn.Linear), not an instance."
+                    f"{summary(cls)}. Pass the class (e.g. nn.Linear), not an instance."
                 )
                 raise TypeError(msg)
         object.__setattr__(self, "shard_modules", tuple(classes))
@@ -85,7 +86,7 @@ class FSDPOptions:
         if reshard is not None and not isinstance(reshard, (bool, int)):
             msg = (
                 f"{owner}: reshard_after_forward must be a bool, an int or None; got "
-                f"{reshard!r} ({type(reshard).__name__})."
+                f"{summary(reshard)} ({type(reshard).__name__})."
             )
             raise TypeError(msg)
         if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
@@ -99,7 +100,7 @@ class FSDPOptions:
         ):
             msg = (
                 f"{owner}: mp_policy must be a torch.distributed.fsdp."
-                f"MixedPrecisionPolicy or None; got {self.mp_policy!r}. Use e.g. "
+                f"MixedPrecisionPolicy or None; got {summary(self.mp_policy)}. Use e.g. "
                 "MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
             )
             raise TypeError(msg)

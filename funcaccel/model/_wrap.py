@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ from torch.nn.parallel import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import as_tuple_of
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
@@ -175,7 +177,7 @@ def _check_arguments(
 ) -> None:
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"wrap_model: ctx must be a DistributedContext; got {ctx!r} "
+            f"wrap_model: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
@@ -190,12 +192,12 @@ def _check_arguments(
     ):
         msg = (
             f"wrap_model: ddp_kwargs must be a DistributedDataParallelKwargs or None; "
-            f"got {ddp_kwargs!r} ({type(ddp_kwargs).__name__})."
+            f"got {summary(ddp_kwargs)} ({type(ddp_kwargs).__name__})."
         )
         raise TypeError(msg)
     if fsdp is not None and not isinstance(fsdp, FSDPOptions):
         msg = (
-            f"wrap_model: fsdp must be an FSDPOptions or None; got {fsdp!r} "
+            f"wrap_model: fsdp must be an FSDPOptions or None; got {summary(fsdp)} "
             f"({type(fsdp).__name__}). Use fsdp=FSDPOptions() for the defaults."
         )
         raise TypeError(msg)
@@ -211,11 +213,24 @@ def _check_arguments(
     if fsdp is not None and ddp_kwargs is not None:
         # Refused at every world size (and for default kwargs too), so that a
         # script tried on one process fails there, not first on the cluster.
+        assert isinstance(ddp_kwargs, DistributedDataParallelKwargs)
         msg = (
             f"wrap_model: ddp_kwargs only configure DDP, but fsdp was given; got "
-            f"{ddp_kwargs!r}. Pass ddp_kwargs=None with fsdp, or fsdp=None for DDP."
+            f"{_changed_fields(ddp_kwargs)}. Pass ddp_kwargs=None with fsdp, or "
+            "fsdp=None for DDP."
         )
         raise ValueError(msg)
+
+
+def _changed_fields(kwargs: DistributedDataParallelKwargs) -> str:
+    # The whole repr runs to 300 characters; the fields set are what matters.
+    default = DistributedDataParallelKwargs()
+    changed = ", ".join(
+        f"{field.name}={getattr(kwargs, field.name)!r}"
+        for field in dataclasses.fields(kwargs)
+        if getattr(kwargs, field.name) != getattr(default, field.name)
+    )
+    return f"DistributedDataParallelKwargs({changed})"
 
 
 def _check_hook_device(
@@ -305,7 +320,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         msg = (
-            f"unwrap_model: model must be a torch.nn.Module; got {model!r} "
+            f"unwrap_model: model must be a torch.nn.Module; got {summary(model)} "
             f"({type(model).__name__})."
         )
         raise TypeError(msg)
@@ -351,7 +366,7 @@ def move_optimizer_state_(optimizer: torch.optim.Optimizer) -> int:
     if not isinstance(optimizer, torch.optim.Optimizer):
         msg = (
             f"move_optimizer_state_: optimizer must be a torch.optim.Optimizer; got "
-            f"{optimizer!r} ({type(optimizer).__name__})."
+            f"{summary(optimizer)} ({type(optimizer).__name__})."
         )
         raise TypeError(msg)
     moved = 0

@@ -23,6 +23,7 @@ from typing import IO
 from typing import Final
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import summary
 from funcaccel.tracking._values import check_open
 from funcaccel.tracking._values import check_step
 from funcaccel.tracking._values import normalize_config
@@ -40,7 +41,7 @@ _TIME_KEYS: Final = ("step", "time")
 def _check_path(owner: str, path: object) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         msg = (
-            f"{owner}: path must be a str or os.PathLike; got {path!r} "
+            f"{owner}: path must be a str or os.PathLike; got {summary(path)} "
             f"({type(path).__name__})."
         )
         raise TypeError(msg)
@@ -51,7 +52,7 @@ def _check_clock(owner: str, clock: object) -> Clock:
     if not callable(clock):
         msg = (
             f"{owner}: clock must be a callable returning the wall time, such as "
-            f"time.time; got {clock!r} ({type(clock).__name__})."
+            f"time.time; got {summary(clock)} ({type(clock).__name__})."
         )
         raise TypeError(msg)
     return clock

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from typing import Final
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import summary
 from funcaccel.tracking._values import check_open
 from funcaccel.tracking._values import check_step
 from funcaccel.tracking._values import normalize_config
@@ -48,7 +49,7 @@ _BATCH: Final = 100
 
 def _check_name(owner: str, name: str, value: object) -> str:
     if not isinstance(value, str):
-        msg = f"{owner}: {name} must be a str; got {value!r} ({type(value).__name__})."
+        msg = f"{owner}: {name} must be a str; got {summary(value)} ({type(value).__name__})."
         raise TypeError(msg)
     if not value:
         msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. 'funcaccel'."
@@ -61,7 +62,7 @@ def _tracking_uri(value: object) -> tuple[str, Path | None]:
     if not isinstance(value, (str, os.PathLike)):
         msg = (
             "MLflowTracker: tracking_uri must be a str or os.PathLike; got "
-            f"{value!r} ({type(value).__name__}). Pass a path such as "
+            f"{summary(value)} ({type(value).__name__}). Pass a path such as "
             "'runs/mlflow.db' or a URI such as 'http://localhost:5000'."
         )
         raise TypeError(msg)
@@ -71,7 +72,7 @@ def _tracking_uri(value: object) -> tuple[str, Path | None]:
     if not isinstance(text, str) or not text:
         msg = (
             f"MLflowTracker: tracking_uri must name a database file or a URI; got "
-            f"{value!r}. Pass a path such as 'runs/mlflow.db'."
+            f"{summary(value)}. Pass a path such as 'runs/mlflow.db'."
         )
         raise ValueError(msg)
     database = Path(os.path.abspath(text))

@@ -14,6 +14,7 @@ from typing import Final
 from typing import Protocol
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import summary
 from funcaccel.tracking._values import ConfigValue
 from funcaccel.tracking._values import check_open
 from funcaccel.tracking._values import check_step
@@ -75,8 +76,8 @@ def _write_hparams(writer: _SummaryWriter, config: Mapping[str, ConfigValue]) ->
     # declares the attribute as None), so the record joins the run's scalars.
     file_writer: _FileWriter | None = getattr(writer, "file_writer", None)
     assert file_writer is not None
-    for summary in summaries:
-        file_writer.add_summary(summary)
+    for event in summaries:
+        file_writer.add_summary(event)
 
 
 class TensorBoardTracker:
@@ -107,7 +108,7 @@ class TensorBoardTracker:
         if not isinstance(logdir, (str, os.PathLike)):
             msg = (
                 f"TensorBoardTracker: logdir must be a str or os.PathLike; got "
-                f"{logdir!r} ({type(logdir).__name__})."
+                f"{summary(logdir)} ({type(logdir).__name__})."
             )
             raise TypeError(msg)
         check_bool("TensorBoardTracker", "main_process_only", main_process_only)
