@@ -33,7 +33,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import as_tuple_of
-from funcaccel._checks import check_bool
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
 from funcaccel._checks import summary
@@ -164,7 +163,13 @@ def _check_step_args(
             f"the micro-batch loss; got {summary(loss_fn)} ({type(loss_fn).__name__})."
         )
         raise TypeError(msg)
-    check_bool(caller, "end_of_dataloader", end_of_dataloader)
+    if type(end_of_dataloader) is not bool:
+        msg = (
+            f"{caller}: end_of_dataloader must be a bool; got "
+            f"{summary(end_of_dataloader)} ({type(end_of_dataloader).__name__}). "
+            "Pass batch.is_last."
+        )
+        raise TypeError(msg)
     if scaler is not None:
         check_scaler(scaler, caller)
     elif ctx.mixed_precision == "fp16":
