@@ -226,8 +226,11 @@ def maybe_step_scheduler(
         and type(step_with_optimizer) is bool
     ):
         _check_args(ctx, grad, step_with_optimizer, _CALLER)
-    if type(loader) is ShardedLoader and split_batches is None:  # the usual call
+    # The usual calls, decided without a function call (this runs per micro-step).
+    if split_batches is None and type(loader) is ShardedLoader:
         split = loader.split_batches
+    elif split_batches is None and loader is None and ctx.num_processes == 1:
+        split = False  # one process: an update counts one step either way
     else:
         split = _split_batches(ctx, loader, split_batches, step_with_optimizer, _CALLER)
     plateau = isinstance(scheduler, ReduceLROnPlateau)
