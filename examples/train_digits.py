@@ -180,7 +180,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
                 lambda: F.cross_entropy(model(x), y),
                 end_of_dataloader=batch.is_last,
             )
-            fa.maybe_step_scheduler(ctx, scheduler, grad)
+            fa.maybe_step_scheduler(ctx, scheduler, grad, loader=loader)
             if profiler is not None:
                 profiler.step()
             if not grad.sync_gradients:

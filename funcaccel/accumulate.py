@@ -33,9 +33,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import as_tuple_of
-from funcaccel._checks import check_bool
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -53,6 +53,7 @@ from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
+from funcaccel.model import check_optimizers_hold
 from funcaccel.model import inside_compile
 
 __all__ = [
@@ -125,7 +126,7 @@ def _check_loss(loss: object) -> None:
     if not isinstance(loss, torch.Tensor):
         msg = (
             f"accumulate_step: loss_fn() must return the loss of one micro-batch as "
-            f"a torch.Tensor; got {loss!r} ({type(loss).__name__})."
+            f"a torch.Tensor; got {summary(loss)} ({type(loss).__name__})."
         )
         raise TypeError(msg)
     if loss.numel() != 1:
@@ -159,10 +160,16 @@ def _check_step_args(
     if not callable(loss_fn):
         msg = (
             f"{caller}: loss_fn must be a callable taking no argument and returning "
-            f"the micro-batch loss; got {loss_fn!r} ({type(loss_fn).__name__})."
+            f"the micro-batch loss; got {summary(loss_fn)} ({type(loss_fn).__name__})."
         )
         raise TypeError(msg)
-    check_bool(caller, "end_of_dataloader", end_of_dataloader)
+    if type(end_of_dataloader) is not bool:
+        msg = (
+            f"{caller}: end_of_dataloader must be a bool; got "
+            f"{summary(end_of_dataloader)} ({type(end_of_dataloader).__name__}). "
+            "Pass batch.is_last."
+        )
+        raise TypeError(msg)
     if scaler is not None:
         check_scaler(scaler, caller)
     elif ctx.mixed_precision == "fp16":
@@ -176,7 +183,7 @@ def _check_step_args(
     if autocast_kwargs is not None and not isinstance(autocast_kwargs, AutocastKwargs):
         msg = (
             f"{caller}: autocast_kwargs must be an AutocastKwargs or None; got "
-            f"{autocast_kwargs!r} ({type(autocast_kwargs).__name__})."
+            f"{summary(autocast_kwargs)} ({type(autocast_kwargs).__name__})."
         )
         raise TypeError(msg)
 
@@ -284,8 +291,10 @@ def accumulate_step(
     Raises:
         TypeError: an argument of the wrong type, or ``loss_fn()`` not returning a
             tensor.
-        ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, or a loss that
-            is not a scalar or does not require grad.
+        ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, a loss that
+            is not a scalar or does not require grad, or (on a syncing micro-step)
+            an optimizer holding none of an FSDP2 model's parameters (built before
+            ``wrap_model`` and not passed to its ``optimizers``).
         RuntimeError: several processes but no matching process group.
     """
     if not (  # the usual arguments in one expression (this runs per micro-step)
@@ -342,6 +351,10 @@ def accumulate_step(
         loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     skipped = False
     if synced:
+        if ctx.num_processes > 1:
+            # Once per window: an optimizer built before FSDP2 replaced the
+            # parameters would step nothing, silently.
+            check_optimizers_hold(models, optimizers, "accumulate_step")
         m = grad.micro_step + 1
         if m < k:
             rescale_grads_(optimizers, k / m)

@@ -24,6 +24,7 @@ from typing import Final
 
 from funcaccel._checks import a_or_an
 from funcaccel._checks import check_bool
+from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
 
 __all__ = [
@@ -139,7 +140,7 @@ def _raise_invalid(state: GradState) -> None:
     for field in dataclasses.fields(state):
         value, kind = getattr(state, field.name), field.type  # "int" or "bool"
         if type(value).__name__ != kind:
-            msg = f"GradState: {field.name} must be {a_or_an(str(kind))}; got {value!r} ({type(value).__name__})."
+            msg = f"GradState: {field.name} must be {a_or_an(str(kind))}; got {summary(value)} ({type(value).__name__})."
             raise TypeError(msg)
     k, j, synced = state.accumulation_steps, state.micro_step, state.sync_gradients
     problems = [
@@ -178,7 +179,7 @@ def check_grad_state(grad: object, caller: str) -> None:
     """Raise ``TypeError`` naming ``caller`` unless ``grad`` is a ``GradState``."""
     if not isinstance(grad, GradState):
         msg = (
-            f"{caller}: grad must be a GradState; got {grad!r} ({type(grad).__name__}). "
+            f"{caller}: grad must be a GradState; got {summary(grad)} ({type(grad).__name__}). "
             "Start with GradState(accumulation_steps=k)."
         )
         raise TypeError(msg)

@@ -29,6 +29,7 @@ from torch.amp.grad_scaler import OptState
 from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
 from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
@@ -64,7 +65,7 @@ def autocast_dtype(mixed_precision: MixedPrecision) -> torch.dtype | None:
         return None
     msg = (
         f"autocast_dtype: mixed_precision must be 'no', 'fp16' or 'bf16'; got "
-        f"{mixed_precision!r}."
+        f"{summary(mixed_precision)}."
     )
     raise ValueError(msg)
 
@@ -98,7 +99,7 @@ def autocast_ctx(
     if kwargs is not None and not isinstance(kwargs, AutocastKwargs):
         msg = (
             f"autocast_ctx: kwargs must be an AutocastKwargs or None; got "
-            f"{kwargs!r} ({type(kwargs).__name__})."
+            f"{summary(kwargs)} ({type(kwargs).__name__})."
         )
         raise TypeError(msg)
     dtype = autocast_dtype(ctx.mixed_precision)
@@ -131,7 +132,7 @@ def build_grad_scaler(
     if kwargs is not None and not isinstance(kwargs, GradScalerKwargs):
         msg = (
             f"build_grad_scaler: kwargs must be a GradScalerKwargs or None; got "
-            f"{kwargs!r} ({type(kwargs).__name__})."
+            f"{summary(kwargs)} ({type(kwargs).__name__})."
         )
         raise TypeError(msg)
     if ctx.mixed_precision != "fp16":

@@ -51,6 +51,7 @@ import torch
 import torch.autograd.profiler
 import torch.profiler
 
+from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
 from funcaccel.kwargs import ProfileKwargs
 
@@ -144,7 +145,7 @@ def _export_final(
         msg = (
             f"{_OWNER}: nothing was recorded to export to {str(path)!r}: the body "
             f"ended at profiler step {prof.step_num}, before the first active step "
-            f"of schedule_option={schedule!r}; call prof.step() once per iteration "
+            f"of schedule_option={summary(schedule)}; call prof.step() once per iteration "
             "and run more iterations, or lower wait, warmup or skip_first."
         )
         raise ValueError(msg)
@@ -182,19 +183,19 @@ def _check_ranks(ctx: DistributedContext, ranks: Collection[int]) -> frozenset[i
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Collection):
         msg = (
             f"{_OWNER}: ranks must be a collection of ints such as [0] or None for "
-            f"all ranks; got {ranks!r} ({type(ranks).__name__})."
+            f"all ranks; got {summary(ranks)} ({type(ranks).__name__})."
         )
         raise TypeError(msg)
     for rank in ranks:
         if not isinstance(rank, int) or isinstance(rank, bool):
             msg = (
-                f"{_OWNER}: ranks must hold ints; got {rank!r} "
-                f"({type(rank).__name__}) in {ranks!r}."
+                f"{_OWNER}: ranks must hold ints; got {summary(rank)} "
+                f"({type(rank).__name__}) in {summary(ranks)}."
             )
             raise TypeError(msg)
         if not 0 <= rank < ctx.num_processes:
             msg = (
-                f"{_OWNER}: rank {rank} in ranks={ranks!r} is out of range for "
+                f"{_OWNER}: rank {rank} in ranks={summary(ranks)} is out of range for "
                 f"num_processes={ctx.num_processes}; pass ranks in "
                 f"[0, {ctx.num_processes})."
             )
@@ -255,7 +256,7 @@ def build_profiler(
     """
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"{_OWNER}: ctx must be a DistributedContext; got {ctx!r} "
+            f"{_OWNER}: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
@@ -263,7 +264,7 @@ def build_profiler(
         kwargs = ProfileKwargs()
     if not isinstance(kwargs, ProfileKwargs):
         msg = (
-            f"{_OWNER}: kwargs must be a ProfileKwargs or None; got {kwargs!r} "
+            f"{_OWNER}: kwargs must be a ProfileKwargs or None; got {summary(kwargs)} "
             f"({type(kwargs).__name__})."
         )
         raise TypeError(msg)

@@ -19,6 +19,7 @@ from typing import Final
 from typing import Protocol
 from typing import TypeVar
 
+from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
 
 __all__ = ["progress"]
@@ -89,7 +90,7 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool):
         msg = (
-            f"progress: {name} must be an int or None; got {value!r} "
+            f"progress: {name} must be an int or None; got {summary(value)} "
             f"({type(value).__name__})."
         )
         raise TypeError(msg)
@@ -131,20 +132,20 @@ def progress(
     """
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"progress: ctx must be a DistributedContext; got {ctx!r} "
+            f"progress: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
     if not isinstance(iterable, Iterable):
         msg = (
-            f"progress: iterable must be iterable; got {iterable!r} "
+            f"progress: iterable must be iterable; got {summary(iterable)} "
             f"({type(iterable).__name__})."
         )
         raise TypeError(msg)
     _check_count("total", total, 0)
     _check_count("every", every, 1)
     if desc is not None and not isinstance(desc, str):
-        msg = f"progress: desc must be a str or None; got {desc!r} ({type(desc).__name__})."
+        msg = f"progress: desc must be a str or None; got {summary(desc)} ({type(desc).__name__})."
         raise TypeError(msg)
     if not ctx.is_main_process:
         return iter(iterable)

@@ -9,10 +9,18 @@ stepping a scheduler that has a ``total_steps`` (``OneCycleLR``) past its end.
 >>> ctx = DistributedContext(
 ...     num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU
 ... )
->>> scheduler_steps_due(ctx, GradState())
+>>> scheduler_steps_due(ctx, GradState(), split_batches=False)
 2
 >>> scheduler_steps_due(ctx, GradState(), split_batches=True)
 1
+
+How many steps an update counts for depends on the loader (``split_batches``),
+so with several processes the loader (or the flag) must be passed:
+
+>>> scheduler_steps_due(ctx, GradState())
+Traceback (most recent call last):
+...
+ValueError: scheduler_steps_due: with 2 processes an update counts 1 scheduler step ...
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from funcaccel._checks import summary
 from funcaccel._typing import SupportsStep
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
+from funcaccel.loader import ShardedLoader
 
 __all__ = ["maybe_step_scheduler", "scheduler_steps_due"]
 
@@ -35,9 +45,7 @@ _CALLER: Final = "maybe_step_scheduler"
 
 def _check_flag(caller: str, name: str, value: object) -> None:
     if type(value) is not bool:
-        msg = (
-            f"{caller}: {name} must be a bool; got {value!r} ({type(value).__name__})."
-        )
+        msg = f"{caller}: {name} must be a bool; got {summary(value)} ({type(value).__name__})."
         raise TypeError(msg)
 
 
@@ -45,7 +53,8 @@ def scheduler_steps_due(
     ctx: DistributedContext,
     grad: GradState,
     *,
-    split_batches: bool = False,
+    loader: ShardedLoader | None = None,
+    split_batches: bool | None = None,
     step_with_optimizer: bool = True,
 ) -> int:
     """Return how many scheduler steps the last micro-step calls for (pure).
@@ -57,8 +66,15 @@ def scheduler_steps_due(
        counts single-process batches, so each update on ``p`` ranks counts ``p``
        (accumulation does not stretch it).
 
+    ``split_batches`` is read from ``loader`` (the ``ShardedLoader`` the batches
+    come from), or given as a bool for a loader of your own. One process needs
+    neither (an update counts one step either way), nor does
+    ``step_with_optimizer=False``; several processes refuse to guess.
+
     Raises:
         TypeError: an argument of the wrong type.
+        ValueError: several processes and neither ``loader`` nor
+            ``split_batches``; or both.
 
     >>> from funcaccel.accumulate import GradState
     >>> one = DistributedContext()
@@ -69,14 +85,55 @@ def scheduler_steps_due(
     >>> scheduler_steps_due(one, GradState(step_was_skipped=True), step_with_optimizer=False)
     1
     """
-    _check_args(ctx, grad, split_batches, step_with_optimizer, "scheduler_steps_due")
-    return _due(ctx, grad, split_batches, step_with_optimizer)
+    caller = "scheduler_steps_due"
+    _check_args(ctx, grad, step_with_optimizer, caller)
+    split = _split_batches(ctx, loader, split_batches, step_with_optimizer, caller)
+    return _due(ctx, grad, split, step_with_optimizer)
+
+
+def _split_batches(
+    ctx: DistributedContext,
+    loader: object,
+    split_batches: object,
+    step_with_optimizer: bool,
+    caller: str,
+) -> bool:
+    """Return the loader's ``split_batches``, from whichever of the two was given."""
+    if split_batches is not None:
+        if loader is not None:
+            msg = (
+                f"{caller}: pass loader= or split_batches=, not both; the loader "
+                "already says whether it splits batches."
+            )
+            raise ValueError(msg)
+        _check_flag(caller, "split_batches", split_batches)
+        assert isinstance(split_batches, bool)
+        return split_batches
+    if loader is not None:
+        if not isinstance(loader, ShardedLoader):
+            msg = (
+                f"{caller}: loader must be the ShardedLoader shard_loader returned; "
+                f"got {summary(loader)} ({type(loader).__name__}). For a loader of "
+                "your own pass split_batches=True or False instead."
+            )
+            raise TypeError(msg)
+        return loader.split_batches
+    if ctx.num_processes > 1 and step_with_optimizer:
+        p = ctx.num_processes
+        msg = (
+            f"{caller}: with {p} processes an update counts 1 scheduler step if the "
+            f"loader splits each batch across processes (split_batches=True) and {p} "
+            "if not, and neither loader= nor split_batches= was given; pass "
+            "loader=<the ShardedLoader from shard_loader>, or split_batches=True/False "
+            "for a loader of your own."
+        )
+        raise ValueError(msg)
+    return False
 
 
 def _check_args(
     ctx: object,
     grad: object,
-    split_batches: object,
     step_with_optimizer: object,
     caller: str,
 ) -> None:
@@ -86,10 +143,9 @@ def _check_args(
     if not isinstance(grad, GradState):
         msg = (
             f"{caller}: grad must be the GradState accumulate_step returned; got "
-            f"{grad!r} ({type(grad).__name__})."
+            f"{summary(grad)} ({type(grad).__name__})."
         )
         raise TypeError(msg)
-    _check_flag(caller, "split_batches", split_batches)
     _check_flag(caller, "step_with_optimizer", step_with_optimizer)
 
 
@@ -121,13 +177,19 @@ def maybe_step_scheduler(
     scheduler: LRScheduler | SupportsStep,
     grad: GradState,
     *,
-    split_batches: bool = False,
+    loader: ShardedLoader | None = None,
+    split_batches: bool | None = None,
     step_with_optimizer: bool = True,
     metrics: SupportsFloat | None = None,
 ) -> int:
     """Step ``scheduler`` in place as often as ``scheduler_steps_due`` says.
 
-    Call it after every ``accumulate_step`` with the state that returned. A
+    Call it after every ``accumulate_step`` with the state that returned, and
+    with ``loader=`` the ``ShardedLoader`` the batches come from: whether it
+    splits batches decides how many steps an update counts, and it is set in
+    that one place (``shard_loader(..., split_batches=...)``). With several
+    processes and ``step_with_optimizer=True``, leaving out both ``loader`` and
+    ``split_batches`` is an error, not a guess. A
     scheduler with a ``total_steps`` attribute (``OneCycleLR``) steps only while
     its ``_step_count <= total_steps``, so it stops at its end instead of raising.
     ``ReduceLROnPlateau`` is stepped with ``metrics`` (required for it, refused
@@ -142,7 +204,10 @@ def maybe_step_scheduler(
         ctx: the run's context.
         scheduler: a torch LR scheduler, or anything with ``step()``.
         grad: the state ``accumulate_step`` returned for this micro-step.
-        split_batches: the loader splits each batch across processes.
+        loader: the ``ShardedLoader`` being trained on; its ``split_batches``
+            is used.
+        split_batches: instead of ``loader``, for a loader of your own: whether
+            each batch is split across processes.
         step_with_optimizer: step with the optimizer (else once per call).
         metrics: the value ``ReduceLROnPlateau.step`` compares.
 
@@ -152,15 +217,22 @@ def maybe_step_scheduler(
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: ``metrics`` missing for ``ReduceLROnPlateau``, or given to
-            another scheduler.
+            another scheduler; several processes and neither ``loader`` nor
+            ``split_batches`` (or both).
     """
     if not (  # the usual arguments in one expression (this runs per micro-step)
         isinstance(ctx, DistributedContext)
         and isinstance(grad, GradState)
-        and type(split_batches) is bool
         and type(step_with_optimizer) is bool
     ):
-        _check_args(ctx, grad, split_batches, step_with_optimizer, _CALLER)
+        _check_args(ctx, grad, step_with_optimizer, _CALLER)
+    # The usual calls, decided without a function call (this runs per micro-step).
+    if split_batches is None and type(loader) is ShardedLoader:
+        split = loader.split_batches
+    elif split_batches is None and loader is None and ctx.num_processes == 1:
+        split = False  # one process: an update counts one step either way
+    else:
+        split = _split_batches(ctx, loader, split_batches, step_with_optimizer, _CALLER)
     plateau = isinstance(scheduler, ReduceLROnPlateau)
     if (
         (metrics is None) == plateau
@@ -170,7 +242,7 @@ def maybe_step_scheduler(
         _check_scheduler(scheduler, plateau, metrics)
     if plateau:
         _check_metrics(metrics)
-    due = _due(ctx, grad, split_batches, step_with_optimizer)
+    due = _due(ctx, grad, split, step_with_optimizer)
     stepped = 0
     while stepped < due and _has_steps_left(scheduler):
         if isinstance(scheduler, ReduceLROnPlateau):
@@ -192,7 +264,7 @@ def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
     if not callable(getattr(scheduler, "step", None)):
         msg = (
             f"{_CALLER}: scheduler must have a step() method; got "
-            f"{scheduler!r} ({type(scheduler).__name__})."
+            f"{summary(scheduler)} ({type(scheduler).__name__})."
         )
         raise TypeError(msg)
     if plateau and metrics is None:
@@ -203,7 +275,7 @@ def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
         raise ValueError(msg)
     if not plateau and metrics is not None:
         msg = (
-            f"{_CALLER}: metrics={metrics!r} is only used by "
+            f"{_CALLER}: metrics={summary(metrics)} is only used by "
             f"ReduceLROnPlateau, not {type(scheduler).__name__}; drop metrics."
         )
         raise ValueError(msg)
@@ -218,6 +290,6 @@ def _check_metrics(metrics: object) -> None:
     except (TypeError, ValueError, RuntimeError):
         msg = (
             f"{_CALLER}: metrics must be a number or a one-element tensor for "
-            f"ReduceLROnPlateau to compare; got {metrics!r} ({type(metrics).__name__})."
+            f"ReduceLROnPlateau to compare; got {summary(metrics)} ({type(metrics).__name__})."
         )
         raise TypeError(msg) from None

@@ -958,7 +958,7 @@ def test_accumulate_step_rejects_bad_input() -> None:
         (lambda: accumulate_step(ONE, grad, net, opt, 3), TypeError,  # type: ignore[arg-type]
          r"accumulate_step: loss_fn must be a callable .*got 3 \(int\)"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, end_of_dataloader=1), TypeError,  # type: ignore[arg-type]
-         r"accumulate_step: end_of_dataloader must be a bool; got 1 \(int\)\.$"),
+         r"accumulate_step: end_of_dataloader must be a bool; got 1 \(int\)\. Pass batch\.is_last\.$"),
         (lambda: accumulate_step(dataclasses.replace(ONE, mixed_precision="fp16"), grad, net, opt, ok), ValueError,
          r"accumulate_step: ctx.mixed_precision is 'fp16' but scaler=None.*build_grad_scaler"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, scaler=1.0), TypeError,  # type: ignore[arg-type]

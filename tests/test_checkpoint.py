@@ -387,6 +387,64 @@ def test_load_rejects_objects_that_do_not_match(
         load_checkpoint(ONE, path, **kwargs)
 
 
+def test_extra_accepts_numpy_scalars_as_python_numbers(tmp_path: Path) -> None:
+    extra = {
+        "step": np.int64(3),
+        "loss": np.float32(0.5),
+        "mean": np.float64(0.25),
+        "done": np.bool_(True),
+        "nested": [np.int32(-1), {"u8": np.uint8(7)}],
+    }
+    path = save_checkpoint(ONE, tmp_path, models=nn.Linear(1, 1), extra=extra)
+    loaded = load_checkpoint(ONE, path, models=nn.Linear(1, 1)).extra
+    assert loaded == {
+        "step": 3, "loss": 0.5, "mean": 0.25, "done": True, "nested": [-1, {"u8": 7}]
+    }  # fmt: skip
+    leaves = [loaded["step"], loaded["loss"], loaded["mean"], loaded["done"]]
+    assert [type(v) for v in leaves] == [int, float, float, bool]
+    assert type(loaded["nested"][1]["u8"]) is int
+
+
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [
+        ((1, 2), r"\(tuple\)\. Convert the tuple to a list\.$"),
+        (np.float64("nan"), r"\. Store a finite number"),
+        (np.arange(3), r"\(ndarray\)\. Convert it with \.item\(\) \(one value\) or \.tolist\(\)\.$"),
+        ({1, 2}, r"\. Convert the set to a sorted list\.$"),
+    ],
+)
+def test_extra_refusal_gives_a_hint_that_fits(
+    tmp_path: Path, value: object, hint: str
+) -> None:
+    with pytest.raises(TypeError, match=r"save_checkpoint: extra\['v'\] must be JSON.*" + hint):
+        save_checkpoint(ONE, tmp_path, models=nn.Linear(1, 1), extra={"v": value})
+
+
+class _Wide(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(layers))
+
+
+def test_load_names_every_mismatched_key_with_both_shapes(tmp_path: Path) -> None:
+    path = save_checkpoint(ONE, tmp_path, models=nn.Linear(2, 1))
+    with pytest.raises(ValueError) as caught:
+        load_checkpoint(ONE, path, models=nn.Linear(2, 3))
+    message = str(caught.value)
+    assert "shape mismatch: weight (checkpoint (1, 2), model (3, 2)), " in message
+    assert "bias (checkpoint (1,), model (3,))" in message
+    assert "Error(s) in loading" not in message
+    # Keys on one side only are named too, a few of each and then a count.
+    path = save_checkpoint(ONE, tmp_path / "wide", models=_Wide(8))
+    with pytest.raises(
+        ValueError,
+        match=r"\(not in the model: layers\.2\.weight, layers\.2\.bias, "
+        r"layers\.3\.weight, layers\.3\.bias and 8 more\); pass the same models",
+    ):
+        load_checkpoint(ONE, path, models=_Wide(2))
+
+
 def _truncate(path: Path) -> None:
     data = (path / "model_0.pt").read_bytes()
     (path / "model_0.pt").write_bytes(data[: len(data) // 2])

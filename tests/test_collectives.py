@@ -215,13 +215,24 @@ def test_broadcast_checks_from_process(
         ({"dim": 1.0}, TypeError, r"dim must be an int; got 1\.0 \(float\)"),
         ({"dim": True}, TypeError, r"dim must be an int; got True \(bool\)"),
         ({"pad_index": "x"}, TypeError, r"pad_index must be a number; got 'x'"),
+        ({"pad_first": 1}, TypeError, r"pad_first must be a bool; got 1 \(int\)"),
+        (
+            {"pad_index": 0.5, "data": torch.ones(2, dtype=torch.int32)},
+            ValueError,
+            r"pad_index 0\.5 cannot be stored in a torch\.int32 leaf \(leaf 0, shape \(2,\)\)",
+        ),
     ],
 )
 def test_pad_across_processes_checks_its_options(
     kwargs: dict[str, Any], error: type[Exception], pattern: str
 ) -> None:
+    data = kwargs.pop("data", torch.ones(2))
     with pytest.raises(error, match=rf"^pad_across_processes: {pattern}"):
-        pad_across_processes(ONE, torch.ones(2), **kwargs)
+        pad_across_processes(ONE, data, **kwargs)
+    # A fractional pad_index suits a floating leaf, and a leaf without dim 1.
+    assert pad_across_processes(ONE, torch.ones(2), pad_index=0.5) is not None
+    ints = torch.ones(2, dtype=torch.int32)
+    assert pad_across_processes(ONE, ints, dim=1, pad_index=0.5) is ints
 
 
 @pytest.mark.parametrize("obj", [{"a": 1}, "ab", 3, torch.ones(2)])
@@ -571,6 +582,13 @@ def _scenarios(ctx: DistributedContext, guard: float | None) -> dict[str, Any]:
         dim=1,
     )
     run("pad structure mismatch", pad_across_processes, [torch.ones(1)] * (rank + 1))
+    # Only the shorter ranks would pad: the longest must refuse as well.
+    run(
+        "pad fractional int",
+        pad_across_processes,
+        {"f": torch.ones(2), "i": torch.ones(world - rank, dtype=torch.int64)},
+        pad_index=0.5,
+    )
     grad = {"w": torch.ones(rank + 1, 2, requires_grad=True)}
     out["grad inputs"] = [
         _checked(lambda d: gather(ctx, d), grad),
@@ -897,6 +915,16 @@ def test_pad_across_processes_spec_example(dist_results: Results) -> None:
         assert per_rank[rank]["pad spec first"].tolist() == fill + row
     assert per_rank[1]["pad spec"].tolist() == [4, 0, 0]
     assert per_rank[1]["pad spec first"].tolist() == [0, 0, 4]
+
+
+@pytest.mark.distributed
+def test_pad_across_processes_refuses_a_fractional_int_fill_on_every_rank(
+    dist_results: Results,
+) -> None:
+    kind, msg = on_every_rank(dist_results, "pad fractional int")
+    assert kind == "ValueError"
+    assert msg.startswith("pad_across_processes: pad_index 0.5 cannot be stored")
+    assert "(leaf 1," in msg
 
 
 @pytest.mark.distributed

@@ -435,10 +435,6 @@ def _fsdp_worker(ctx: DistributedContext) -> dict[str, Any]:
     frozen = _make_net().requires_grad_(False)
     out["frozen_same"] = wrap_model(ctx, frozen, fsdp=FSDPOptions()) is frozen
     out["frozen_is_fsdp"] = isinstance(frozen, FSDPModule)
-    default_kwargs = wrap_model(
-        ctx, _make_net(), DistributedDataParallelKwargs(), fsdp=FSDPOptions()
-    )
-    out["default_kwargs_is_fsdp"] = isinstance(default_kwargs, FSDPModule)
     return out
 
 
@@ -502,12 +498,11 @@ def test_wrap_model_fsdp_bf16_policy_trains(fsdp_results: list[dict[str, Any]]) 
 
 
 @pytest.mark.distributed
-def test_wrap_model_fsdp_leaves_frozen_and_accepts_default_ddp_kwargs(
+def test_wrap_model_fsdp_leaves_frozen(
     fsdp_results: list[dict[str, Any]],
 ) -> None:
     for result in fsdp_results:
         assert result["frozen_same"] and not result["frozen_is_fsdp"]
-        assert result["default_kwargs_is_fsdp"]
 
 
 CPU2 = rank_ctx(2, 1)
@@ -566,6 +561,9 @@ def test_wrap_model_refuses_fsdp_with_ddp_kwargs(ctx: DistributedContext) -> Non
     hook_only = DistributedDataParallelKwargs(comm_hook="fp16")
     with pytest.raises(ValueError, match=r"ddp_kwargs only configure DDP"):
         wrap_model(ctx, _make_net(), hook_only, fsdp=FSDPOptions())
+    # Default kwargs too: one process refuses what several would.
+    with pytest.raises(ValueError, match=r"ddp_kwargs only configure DDP.*fsdp=None"):
+        wrap_model(ctx, _make_net(), DistributedDataParallelKwargs(), fsdp=FSDPOptions())
 
 
 def test_wrap_model_needs_a_process_group_with_several_processes() -> None:

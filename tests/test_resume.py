@@ -143,7 +143,7 @@ def _train(
                 functools.partial(_loss, model, x, y),
                 end_of_dataloader=batch.is_last,
             )
-            maybe_step_scheduler(ctx, sched, grad)
+            maybe_step_scheduler(ctx, sched, grad, loader=loader)
             state = batch.state
             step = grad.optimizer_steps
             if grad.sync_gradients and step in save_at and step not in marks:

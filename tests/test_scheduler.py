@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,15 +19,21 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import OneCycleLR
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader
+from torch.utils.data import TensorDataset
 
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import advance_grad_state
 from funcaccel.context import DistributedContext
 from funcaccel.kwargs import GradScalerKwargs
+from funcaccel.loader import ShardedLoader
+from funcaccel.loader import iter_batches
+from funcaccel.loader import shard_loader
 from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
+from tests._dist import run_ranks
 from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
@@ -221,7 +229,7 @@ def test_any_object_with_step_is_stepped() -> None:
             self.calls += 1
 
     counter = Counter()
-    assert maybe_step_scheduler(rank_ctx(3, 2), counter, GradState()) == 3
+    assert maybe_step_scheduler(rank_ctx(3, 2), counter, GradState(), split_batches=False) == 3
     assert counter.calls == 3
 
 
@@ -263,3 +271,90 @@ def test_maybe_step_scheduler_rejects_bad_input() -> None:
     ):
         maybe_step_scheduler(ONE, scheduler.optimizer, GradState())
     assert scheduler._step_count == 1
+
+
+def _loader(ctx: DistributedContext, *, split_batches: bool) -> ShardedLoader:
+    data = TensorDataset(torch.arange(12.0))
+    return shard_loader(ctx, DataLoader(data, batch_size=6), split_batches=split_batches)
+
+
+@pytest.mark.parametrize(("p", "rank"), [(2, 0), (2, 1), (3, 0), (3, 2)])
+@pytest.mark.parametrize("split", [False, True])
+def test_maybe_step_scheduler_reads_split_batches_from_the_loader(
+    p: int, rank: int, split: bool
+) -> None:
+    ctx = rank_ctx(p, rank)
+    loader = _loader(ctx, split_batches=split)
+    scheduler = StepLR(_optimizer(), step_size=1)
+    scheduler.optimizer.step()
+    assert maybe_step_scheduler(ctx, scheduler, GradState(), loader=loader) == (
+        1 if split else p
+    )
+    assert scheduler_steps_due(ctx, GradState(), loader=loader) == (1 if split else p)
+
+
+@pytest.mark.parametrize(("p", "rank"), [(2, 1), (3, 2)])
+def test_maybe_step_scheduler_refuses_to_guess_split_batches(p: int, rank: int) -> None:
+    ctx = rank_ctx(p, rank)
+    scheduler = StepLR(_optimizer(), step_size=1)
+    scheduler.optimizer.step()
+    accumulating = GradState(accumulation_steps=2, micro_step=1, sync_gradients=False)
+    for grad in (GradState(), accumulating):  # refused on any micro-step
+        with pytest.raises(
+            ValueError,
+            match=rf"maybe_step_scheduler: with {p} processes an update counts 1 "
+            rf"scheduler step if the loader splits each batch .* and {p} if not.*"
+            r"pass loader=<the ShardedLoader from shard_loader>",
+        ):
+            maybe_step_scheduler(ctx, scheduler, grad)
+    with pytest.raises(ValueError, match=r"scheduler_steps_due: with"):
+        scheduler_steps_due(ctx, GradState())
+    loader = _loader(ctx, split_batches=True)
+    with pytest.raises(
+        ValueError, match=r"maybe_step_scheduler: pass loader= or split_batches=, not both"
+    ):
+        maybe_step_scheduler(ctx, scheduler, GradState(), loader=loader, split_batches=True)
+    with pytest.raises(
+        TypeError,
+        match=r"maybe_step_scheduler: loader must be the ShardedLoader shard_loader "
+        r"returned; got list of 100 items \(list\)",
+    ):
+        maybe_step_scheduler(ctx, scheduler, GradState(), loader=list(range(100)))  # type: ignore[arg-type]
+    assert scheduler._step_count == 1  # nothing stepped
+    # Once per call, or one process: an update counts the same either way.
+    assert maybe_step_scheduler(ctx, scheduler, GradState(), step_with_optimizer=False) == 1
+    assert maybe_step_scheduler(ONE, scheduler, GradState()) == 1
+
+
+def _split_worker(ctx: DistributedContext, split: bool) -> dict[str, Any]:
+    # 8 samples in batches of 2 (4 single-process batches), k=1: the schedule
+    # ends at _step_count 5 whether the batches are split or not.
+    data = TensorDataset(torch.arange(8.0).unsqueeze(1))
+    loader = shard_loader(ctx, DataLoader(data, batch_size=2), split_batches=split)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = StepLR(optimizer, step_size=1)
+    grad = GradState()
+    for batch in iter_batches(loader):
+        (x,) = batch.data
+        _, grad = accumulate_step(
+            ctx, grad, model, optimizer, lambda: model(x).square().mean(),
+            end_of_dataloader=batch.is_last,
+        )  # fmt: skip
+        maybe_step_scheduler(ctx, scheduler, grad, loader=loader)
+    out: dict[str, Any] = {"count": scheduler._step_count}
+    try:
+        maybe_step_scheduler(ctx, scheduler, grad)
+    except ValueError as error:
+        out["forgotten"] = str(error)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("split", [False, True])
+def test_maybe_step_scheduler_follows_the_loader_on_two_processes(
+    tmp_path: Path, split: bool
+) -> None:
+    for result in run_ranks(_split_worker, 2, tmp_path, split):
+        assert result["count"] == 5
+        assert result["forgotten"].startswith("maybe_step_scheduler: with 2 processes")

@@ -77,7 +77,7 @@ def _as_tuple(
         if all(isinstance(item, kind) for item in items):
             return items
     msg = (
-        f"{caller}: {name} must be {what} or a sequence of them; got {value!r} "
+        f"{caller}: {name} must be {what} or a sequence of them; got {summary(value)} "
         f"({type(value).__name__})."
     )
     raise TypeError(msg)
@@ -112,17 +112,15 @@ def check_state_objects(
     """
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        msg = (
-            f"{caller}: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
-        )
+        msg = f"{caller}: scaler must be a torch.amp.GradScaler or None; got {summary(scaler)}."
         raise TypeError(msg)
     if objects is not None and not isinstance(objects, Mapping):
-        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {objects!r}."
+        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {summary(objects)}."
         raise TypeError(msg)
     named = dict(objects or {})
     for key, value in named.items():
@@ -363,12 +361,60 @@ def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> Non
     try:
         target.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        reason = None
+        if isinstance(target, nn.Module) and isinstance(state, Mapping):
+            reason = _module_mismatch(target, state)
+        if reason is None:
+            text = str(error).strip()
+            reason = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
         msg = (
-            f"{caller}: {file} does not fit {what} ({type(error).__name__}: {first}); "
+            f"{caller}: {file} does not fit {what} ({reason}); "
             f"pass the same {what.split('[')[0]} as when the checkpoint was saved."
         )
         raise ValueError(msg) from error
+
+
+_MISMATCH_SHOWN = 4
+"""How many keys of each kind a mismatch message names before counting the rest."""
+
+
+def _module_mismatch(module: nn.Module, state: Mapping[Any, object]) -> str | None:
+    """Describe how ``state`` differs from ``module.state_dict()``, or ``None``.
+
+    Names each key whose shape differs (checkpoint vs model), then the keys only
+    the model has and those only the checkpoint has; a few of each, then a count.
+
+    >>> _module_mismatch(nn.Linear(2, 3), nn.Linear(2, 1).state_dict())
+    'shape mismatch: weight (checkpoint (1, 2), model (3, 2)), bias (checkpoint (1,), model (3,))'
+    >>> _module_mismatch(nn.Linear(2, 3), {"weight": torch.zeros(3, 2)})
+    'missing from the checkpoint: bias'
+    """
+    own = module.state_dict()
+    shapes = [
+        f"{key} (checkpoint {tuple(value.shape)}, model {tuple(own[key].shape)})"
+        for key, value in state.items()
+        if key in own
+        and isinstance(value, torch.Tensor)
+        and value.shape != own[key].shape
+    ]
+    missing = [str(key) for key in own if key not in state]
+    unexpected = [str(key) for key in state if key not in own]
+    parts = [
+        f"{label}: {_first_few(items)}"
+        for label, items in (
+            ("shape mismatch", shapes),
+            ("missing from the checkpoint", missing),
+            ("not in the model", unexpected),
+        )
+        if items
+    ]
+    return "; ".join(parts) if parts else None
+
+
+def _first_few(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_MISMATCH_SHOWN])
+    rest = len(items) - _MISMATCH_SHOWN
+    return f"{shown} and {rest} more" if rest > 0 else shown
 
 
 def load_state_objects(

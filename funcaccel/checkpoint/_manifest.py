@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,18 +54,24 @@ def check_json_value(value: object, where: str, caller: str) -> Any:
     """Return a deep copy of ``value`` after checking that JSON round-trips it exactly.
 
     Allowed: str, int, finite float, bool, None, lists and str-keyed dicts of them.
+    Numpy scalars (``np.int64(3)``, ``np.float32(0.5)``, ``np.bool_(True)``) are
+    copied as the Python number they hold.
 
     >>> check_json_value({"step": 3, "tags": ["a"]}, "extra", "f")
     {'step': 3, 'tags': ['a']}
+    >>> import numpy as np
+    >>> check_json_value([np.int64(3), np.float32(0.5), np.bool_(True)], "extra", "f")
+    [3, 0.5, True]
     >>> check_json_value({"t": (1, 2)}, "extra", "f")
     Traceback (most recent call last):
     ...
     TypeError: f: extra['t'] must be JSON (str, int, finite float, bool, None, list, ...
     """
-    if value is None or isinstance(value, (str, bool, int)):
+    if value is None or isinstance(value, (str, bool)) or type(value) is int:
         return value
-    if isinstance(value, float) and math.isfinite(value):
-        return value
+    number = _python_number(value)
+    if number is not None and (not isinstance(number, float) or math.isfinite(number)):
+        return number
     if isinstance(value, list):
         return [
             check_json_value(v, f"{where}[{i}]", caller) for i, v in enumerate(value)
@@ -75,10 +82,43 @@ def check_json_value(value: object, where: str, caller: str) -> Any:
         }
     msg = (
         f"{caller}: {where} must be JSON (str, int, finite float, bool, None, list, "
-        f"dict with str keys); got {value!r} ({type(value).__name__}). Convert it, "
-        "e.g. a tuple to a list."
+        f"dict with str keys); got {summary(value)} ({type(value).__name__}). "
+        f"{_json_hint(value)}"
     )
     raise TypeError(msg)
+
+
+def _python_number(value: object) -> int | float | bool | None:
+    """Return ``value`` as a Python int, float or bool, if it is a scalar of one."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):  # an IntEnum, say
+        return int(value)
+    if isinstance(value, float):  # np.float64 is a float subclass
+        return float(value)
+    numpy = sys.modules.get("numpy")  # no numpy scalar exists before numpy loads
+    if numpy is not None and isinstance(value, numpy.generic):
+        if isinstance(value, numpy.bool_):
+            return bool(value)
+        if isinstance(value, numpy.integer):
+            return int(value)
+        if isinstance(value, numpy.floating):
+            return float(value)
+    return None
+
+
+def _json_hint(value: object) -> str:
+    if isinstance(value, float) or _python_number(value) is not None:
+        return "Store a finite number (NaN and infinities are not JSON)."
+    if isinstance(value, tuple):
+        return "Convert the tuple to a list."
+    if isinstance(value, (set, frozenset)):
+        return "Convert the set to a sorted list."
+    if isinstance(value, Mapping):
+        return "Use str keys (JSON object keys are strings)."
+    if hasattr(value, "tolist"):  # tensors and numpy arrays
+        return "Convert it with .item() (one value) or .tolist()."
+    return "Convert it to one of these, e.g. with str(), int() or float()."
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +141,7 @@ class FileEntry:
         if digest is not None and (
             not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX
         ):
-            msg = f"FileEntry: sha256 must be 64 lowercase hex digits or None; got {digest!r}."
+            msg = f"FileEntry: sha256 must be 64 lowercase hex digits or None; got {summary(digest)}."
             raise ValueError(msg)
 
 
@@ -110,7 +150,7 @@ def _field(
 ) -> Any:
     value = data[key]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        msg = f"CheckpointMeta.from_dict: {key!r} has the wrong type: got {value!r} ({type(value).__name__})."
+        msg = f"CheckpointMeta.from_dict: {key!r} has the wrong type: got {summary(value)} ({type(value).__name__})."
         raise TypeError(msg)
     return value
 
@@ -163,7 +203,7 @@ class CheckpointMeta:
         ):
             value, least = getattr(self, name), int(name == "world_size")
             if type(value) is not int:
-                msg = f"{owner}: {name} must be an int; got {value!r} ({type(value).__name__})."
+                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
                 raise TypeError(msg)
             if value < least:
                 msg = f"{owner}: {name} must be >= {least}; got {value}."
@@ -173,28 +213,34 @@ class CheckpointMeta:
             raise ValueError(msg)
         for name in ("scaler", "rng"):
             if type(getattr(self, name)) is not bool:
-                msg = f"{owner}: {name} must be a bool; got {getattr(self, name)!r}."
+                msg = f"{owner}: {name} must be a bool; got {summary(getattr(self, name))}."
                 raise TypeError(msg)
         if not isinstance(self.objects, tuple) or not all(
             isinstance(o, str) for o in self.objects
         ):
-            msg = f"{owner}: objects must be a tuple of str; got {self.objects!r}."
+            msg = (
+                f"{owner}: objects must be a tuple of str; got {summary(self.objects)}."
+            )
             raise TypeError(msg)
         if self.grad is not None and not isinstance(self.grad, GradState):
-            msg = f"{owner}: grad must be a GradState or None; got {self.grad!r}."
+            msg = (
+                f"{owner}: grad must be a GradState or None; got {summary(self.grad)}."
+            )
             raise TypeError(msg)
         if self.loader is not None and not isinstance(self.loader, LoaderState):
-            msg = f"{owner}: loader must be a LoaderState or None; got {self.loader!r}."
+            msg = f"{owner}: loader must be a LoaderState or None; got {summary(self.loader)}."
             raise TypeError(msg)
         object.__setattr__(self, "extra", check_json_value(self.extra, "extra", owner))
         if not isinstance(self.extra, dict):
-            msg = f"{owner}: extra must be a dict; got {self.extra!r}."
+            msg = f"{owner}: extra must be a dict; got {summary(self.extra)}."
             raise TypeError(msg)
         if not isinstance(self.files, Mapping) or not all(
             isinstance(k, str) and isinstance(v, FileEntry)
             for k, v in self.files.items()
         ):
-            msg = f"{owner}: files must map str to FileEntry; got {self.files!r}."
+            msg = (
+                f"{owner}: files must map str to FileEntry; got {summary(self.files)}."
+            )
             raise TypeError(msg)
         for name in self.files:
             check_member_name(name, caller=owner, where="files")
@@ -270,7 +316,7 @@ class CheckpointMeta:
 
 def _file_entry(name: object, value: object) -> FileEntry:
     if not isinstance(value, dict) or set(value) != {"size", "sha256"}:
-        msg = f"CheckpointMeta.from_dict: files[{name!r}] must be {{'size': ..., 'sha256': ...}}; got {value!r}."
+        msg = f"CheckpointMeta.from_dict: files[{name!r}] must be {{'size': ..., 'sha256': ...}}; got {summary(value)}."
         raise ValueError(msg)
     return FileEntry(size=value["size"], sha256=value["sha256"])
 

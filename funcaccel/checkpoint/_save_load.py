@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from funcaccel._checks import summary
 from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint import _layout
 from funcaccel.checkpoint._agree import _all_gather
@@ -194,7 +195,7 @@ def save_checkpoint(
     )
     extra_dict = _check_save_values(caller, grad, loader, extra, keep_last)
     if type(save_rng) is not bool:
-        msg = f"{caller}: save_rng must be a bool; got {save_rng!r}."
+        msg = f"{caller}: save_rng must be a bool; got {summary(save_rng)}."
         raise TypeError(msg)
     state_format = _formats.choose_format(objs.models)
     if state_format == "dcp":
@@ -306,7 +307,7 @@ def load_checkpoint(
     )
     for flag, given in (("restore_rng", restore_rng), ("verify", verify)):
         if type(given) is not bool:
-            msg = f"{caller}: {flag} must be a bool; got {given!r}."
+            msg = f"{caller}: {flag} must be a bool; got {summary(given)}."
             raise TypeError(msg)
     root = Path(path)
     guard_collective(ctx, caller)

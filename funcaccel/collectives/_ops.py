@@ -42,6 +42,7 @@ from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._leaves import is_tensor_tree
 from funcaccel.collectives._leaves import tensor_leaves
 from funcaccel.collectives._pad import check_pad_args
+from funcaccel.collectives._pad import check_pad_fill
 from funcaccel.collectives._pad import pad_tensor
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
@@ -290,20 +291,27 @@ def pad_across_processes(
     (``[0, 0, 4]`` with ``pad_first``).
 
     Raises:
-        TypeError: a leaf is not a tensor, ``dim`` not an int or ``pad_index`` not
-            a number.
+        TypeError: a leaf is not a tensor, ``dim`` not an int, ``pad_index`` not
+            a number or ``pad_first`` not a bool.
         ValueError: ``dim`` is negative; on every rank, a structure that
-            differs across ranks.
+            differs across ranks, or a fractional ``pad_index`` for an integer
+            leaf that has ``dim`` (with one process too, though nothing is
+            padded there).
         RuntimeError: no process group matches ``ctx``, or (with
             ``ctx.collective_timeout``) not every rank reached this call.
     """
-    require_process_group(ctx, "pad_across_processes")
-    check_pad_args("pad_across_processes", dim, pad_index)
-    paths, leaves = tensor_leaves(data, "pad_across_processes")
+    caller = "pad_across_processes"
+    require_process_group(ctx, caller)
+    check_pad_args(caller, dim, pad_index)
+    paths, leaves = tensor_leaves(data, caller)
     if ctx.num_processes == 1:
+        one = [[(tuple(t.shape), str(t.dtype))] for t in leaves]
+        check_pad_fill(caller, one, dim=dim, pad_index=pad_index, pad_first=pad_first)
         return data
-    guard_collective(ctx, "pad_across_processes")
-    specs = exchange(ctx, "pad_across_processes", paths, leaves)
+    guard_collective(ctx, caller)
+    specs = exchange(ctx, caller, paths, leaves)
+    # On the gathered specs, so every rank raises alike before any tensor moves.
+    check_pad_fill(caller, specs, dim=dim, pad_index=pad_index, pad_first=pad_first)
     longest = [
         max((s[dim] for s, _ in per_rank if len(s) > dim), default=0)
         for per_rank in specs

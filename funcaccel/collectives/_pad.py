@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_pad_args", "pad_tensor"]
+from funcaccel._checks import check_bool
+from funcaccel._checks import summary
+
+__all__ = ["check_pad_args", "check_pad_fill", "pad_tensor"]
 
 
 def pad_tensor(
@@ -60,7 +63,9 @@ def pad_tensor(
 
 def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
     if not isinstance(dim, int) or isinstance(dim, bool):
-        msg = f"{caller}: dim must be an int; got {dim!r} ({type(dim).__name__})."
+        msg = (
+            f"{caller}: dim must be an int; got {summary(dim)} ({type(dim).__name__})."
+        )
         raise TypeError(msg)
     if dim < 0:
         msg = (
@@ -68,5 +73,43 @@ def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
         )
         raise ValueError(msg)
     if not isinstance(pad_index, (int, float)):
-        msg = f"{caller}: pad_index must be a number; got {pad_index!r}; pass an int or a float."
+        msg = f"{caller}: pad_index must be a number; got {summary(pad_index)}; pass an int or a float."
         raise TypeError(msg)
+
+
+def check_pad_fill(
+    caller: str,
+    specs: list[list[tuple[tuple[int, ...], str]]],
+    *,
+    dim: int,
+    pad_index: float,
+    pad_first: object,
+) -> None:
+    """Check ``pad_first`` and that ``pad_index`` fits every leaf that has ``dim``.
+
+    ``specs`` holds, per leaf, every rank's ``(shape, dtype name)`` (one entry with
+    one process), so each rank reaches the same verdict, whichever rank's leaf
+    would need the padding.
+
+    >>> check_pad_fill("f", [[((2,), "torch.int64")]], dim=0, pad_index=0.5, pad_first=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: f: pad_index 0.5 cannot be stored in a torch.int64 leaf (leaf 0, shape (2,)); ...
+    """
+    check_bool(caller, "pad_first", pad_first)
+    if not isinstance(pad_index, float) or pad_index.is_integer():
+        return
+    for index, per_rank in enumerate(specs):
+        for shape, dtype in per_rank:
+            kind = getattr(torch, dtype.removeprefix("torch."), None)
+            if (
+                len(shape) > dim
+                and isinstance(kind, torch.dtype)
+                and not (kind.is_floating_point or kind.is_complex)
+            ):
+                msg = (
+                    f"{caller}: pad_index {pad_index} cannot be stored in a {dtype} "
+                    f"leaf (leaf {index}, shape {shape}); pass an integer pad_index, "
+                    "or cast the leaf to a floating dtype."
+                )
+                raise ValueError(msg)

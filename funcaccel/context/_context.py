@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from funcaccel._checks import check_duration
+from funcaccel._checks import summary
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel._typing import MixedPrecision
 from funcaccel.context._env import check_mixed_precision
@@ -100,7 +101,7 @@ class DistributedContext:
         for name in ("num_processes", "process_index", "local_process_index"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                msg = f"{owner}: {name} must be an int; got {value!r} ({type(value).__name__})."
+                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
                 raise TypeError(msg)
         if self.num_processes < 1:
             msg = f"{owner}: num_processes must be >= 1; got {self.num_processes}."
@@ -119,7 +120,7 @@ class DistributedContext:
             raise ValueError(msg)
         if not isinstance(self.device, torch.device):
             msg = (
-                f"{owner}: device must be a torch.device; got {self.device!r} "
+                f"{owner}: device must be a torch.device; got {summary(self.device)} "
                 f"({type(self.device).__name__}). Use e.g. torch.device('cpu')."
             )
             raise TypeError(msg)
@@ -132,12 +133,14 @@ class DistributedContext:
         if self.mixed_precision not in MIXED_PRECISION_MODES:
             msg = (
                 f"{owner}: mixed_precision must be one of 'no', 'fp16', 'bf16'; got "
-                f"{self.mixed_precision!r}"
+                f"{summary(self.mixed_precision)}"
                 f"{' (fp8 is not supported)' if str(self.mixed_precision) == 'fp8' else ''}."
             )
             raise ValueError(msg)
         if self.backend is not None and not isinstance(self.backend, str):
-            msg = f"{owner}: backend must be a str or None; got {self.backend!r}."
+            msg = (
+                f"{owner}: backend must be a str or None; got {summary(self.backend)}."
+            )
             raise TypeError(msg)
         _check_type_consistency(self)
         timeout = check_duration(owner, "collective_timeout", self.collective_timeout)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from funcaccel._checks import summary
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel.kwargs import InitProcessGroupKwargs
 
@@ -43,7 +44,7 @@ def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
     if mixed_precision not in MIXED_PRECISION_MODES:
         msg = (
             f"context_from_env: mixed_precision must be one of 'no', 'fp16', 'bf16'; "
-            f"got {mixed_precision!r}"
+            f"got {summary(mixed_precision)}"
             f"{' (fp8 is not supported)' if mixed_precision == 'fp8' else ''}."
         )
         raise ValueError(msg)

@@ -29,6 +29,7 @@ from funcaccel._checks import check_bool
 from funcaccel._checks import is_bool
 from funcaccel._checks import is_int
 from funcaccel._checks import is_real
+from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.kwargs._base import KwargsHandler
 from funcaccel.kwargs._profile import PROFILER_ACTIVITIES as PROFILER_ACTIVITIES
@@ -109,12 +110,14 @@ POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = MappingProxyType(
 def _as_hook(owner: str, name: str, value: object) -> DDPCommunicationHookType:
     valid = ", ".join(repr(h.value) for h in DDPCommunicationHookType)
     if not isinstance(value, str):
-        msg = f"{owner}: {name} must be a str; got {value!r} ({type_name(value)})."
+        msg = (
+            f"{owner}: {name} must be a str; got {summary(value)} ({type_name(value)})."
+        )
         raise TypeError(msg)
     try:
         return DDPCommunicationHookType(value)
     except ValueError:
-        msg = f"{owner}: {name} must be one of {valid}; got {value!r}."
+        msg = f"{owner}: {name} must be one of {valid}; got {summary(value)}."
         raise ValueError(msg) from None
 
 
@@ -149,16 +152,16 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def __post_init__(self) -> None:
         owner = "DistributedDataParallelKwargs"
         if not is_int(self.dim) or self.dim < 0:
-            msg = f"{owner}: dim must be an int >= 0; got {self.dim!r}."
+            msg = f"{owner}: dim must be an int >= 0; got {summary(self.dim)}."
             raise ValueError(msg)
         if not is_real(self.bucket_cap_mb):
             msg = (
                 f"{owner}: bucket_cap_mb must be a number (MB); got "
-                f"{self.bucket_cap_mb!r} ({type_name(self.bucket_cap_mb)})."
+                f"{summary(self.bucket_cap_mb)} ({type_name(self.bucket_cap_mb)})."
             )
             raise TypeError(msg)
         if not self.bucket_cap_mb > 0:
-            msg = f"{owner}: bucket_cap_mb must be a number > 0; got {self.bucket_cap_mb!r}."
+            msg = f"{owner}: bucket_cap_mb must be a number > 0; got {summary(self.bucket_cap_mb)}."
             raise ValueError(msg)
         for name in (
             "broadcast_buffers",
@@ -185,7 +188,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
         if not isinstance(self.comm_state_option, Mapping):
             msg = (
                 f"{owner}: comm_state_option must be a mapping; got "
-                f"{self.comm_state_option!r} ({type_name(self.comm_state_option)})."
+                f"{summary(self.comm_state_option)} ({type_name(self.comm_state_option)})."
             )
             raise TypeError(msg)
         options = dict(self.comm_state_option)
@@ -214,13 +217,13 @@ def _check_power_sgd_options(owner: str, options: Mapping[str, Any]) -> None:
         if not ok or (kind != "bool" and value < 0):
             msg = (
                 f"{owner}: comm_state_option[{key!r}] must be "
-                f"{'a bool' if kind == 'bool' else 'a number >= 0'}; got {value!r}."
+                f"{'a bool' if kind == 'bool' else 'a number >= 0'}; got {summary(value)}."
             )
             raise ValueError(msg)
     if options.get("matrix_approximation_rank", 1) < 1:
         msg = (
             f"{owner}: comm_state_option['matrix_approximation_rank'] must be >= 1; "
-            f"got {options['matrix_approximation_rank']!r}."
+            f"got {summary(options['matrix_approximation_rank'])}."
         )
         raise ValueError(msg)
     start = options.get("start_powerSGD_iter", 1000)
@@ -250,26 +253,26 @@ class GradScalerKwargs(KwargsHandler):
         if not is_real(self.init_scale) or not (
             math.isfinite(self.init_scale) and self.init_scale > 0
         ):
-            msg = f"{owner}: init_scale must be a finite number > 0; got {self.init_scale!r}."
+            msg = f"{owner}: init_scale must be a finite number > 0; got {summary(self.init_scale)}."
             raise ValueError(msg)
         if not is_real(self.growth_factor) or not (
             math.isfinite(self.growth_factor) and self.growth_factor > 1.0
         ):
             msg = (
-                f"{owner}: growth_factor must be > 1.0; got {self.growth_factor!r}. "
+                f"{owner}: growth_factor must be > 1.0; got {summary(self.growth_factor)}. "
                 "Use e.g. 2.0."
             )
             raise ValueError(msg)
         if not is_real(self.backoff_factor) or not 0.0 < self.backoff_factor < 1.0:
             msg = (
                 f"{owner}: backoff_factor must be in (0, 1); got "
-                f"{self.backoff_factor!r}. Use e.g. 0.5."
+                f"{summary(self.backoff_factor)}. Use e.g. 0.5."
             )
             raise ValueError(msg)
         if not is_int(self.growth_interval) or self.growth_interval < 1:
             msg = (
                 f"{owner}: growth_interval must be an int >= 1; got "
-                f"{self.growth_interval!r}."
+                f"{summary(self.growth_interval)}."
             )
             raise ValueError(msg)
         check_bool(owner, "enabled", self.enabled)
@@ -293,7 +296,7 @@ class InitProcessGroupKwargs(KwargsHandler):
         for name in ("backend", "init_method"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                msg = f"{owner}: {name} must be a str or None; got {value!r} ({type_name(value)})."
+                msg = f"{owner}: {name} must be a str or None; got {summary(value)} ({type_name(value)})."
                 raise TypeError(msg)
             if value == "":
                 msg = f"{owner}: {name} must not be empty; pass None for the default."
@@ -302,10 +305,10 @@ class InitProcessGroupKwargs(KwargsHandler):
             if not isinstance(self.timeout, timedelta):
                 msg = (
                     f"{owner}: timeout must be a datetime.timedelta or None; got "
-                    f"{self.timeout!r} ({type_name(self.timeout)}). Use e.g. "
+                    f"{summary(self.timeout)} ({type_name(self.timeout)}). Use e.g. "
                     "timedelta(seconds=600)."
                 )
                 raise TypeError(msg)
             if self.timeout <= timedelta(0):
-                msg = f"{owner}: timeout must be positive; got {self.timeout!r}."
+                msg = f"{owner}: timeout must be positive; got {summary(self.timeout)}."
                 raise ValueError(msg)

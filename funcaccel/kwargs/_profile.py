@@ -21,6 +21,7 @@ import torch.profiler
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import is_int
+from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.kwargs._base import KwargsHandler
 
@@ -104,7 +105,7 @@ class ProfileKwargs(KwargsHandler):
             ):
                 msg = (
                     f"{owner}: activities must be a sequence of names such as "
-                    f"['cpu']; got {self.activities!r}."
+                    f"['cpu']; got {summary(self.activities)}."
                 )
                 raise TypeError(msg)
             valid = ", ".join(repr(a) for a in PROFILER_ACTIVITIES)
@@ -118,7 +119,7 @@ class ProfileKwargs(KwargsHandler):
                 self, "schedule_option", _checked_schedule(owner, self.schedule_option)
             )
         if self.on_trace_ready is not None and not callable(self.on_trace_ready):
-            msg = f"{owner}: on_trace_ready must be callable; got {self.on_trace_ready!r}."
+            msg = f"{owner}: on_trace_ready must be callable; got {summary(self.on_trace_ready)}."
             raise TypeError(msg)
         for name in (
             "record_shapes",
@@ -132,7 +133,7 @@ class ProfileKwargs(KwargsHandler):
         if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
             msg = (
                 f"{owner}: output_trace_dir must be a path (str or os.PathLike); got "
-                f"{trace_dir!r} ({type_name(trace_dir)})."
+                f"{summary(trace_dir)} ({type_name(trace_dir)})."
             )
             raise TypeError(msg)
 
@@ -166,7 +167,7 @@ class ProfileKwargs(KwargsHandler):
 
 def _checked_schedule(owner: str, option: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(option, Mapping):
-        msg = f"{owner}: schedule_option must be a mapping; got {option!r}."
+        msg = f"{owner}: schedule_option must be a mapping; got {summary(option)}."
         raise TypeError(msg)
     unknown = [k for k in option if k not in SCHEDULE_KEYS]
     if unknown:
@@ -184,9 +185,7 @@ def _checked_schedule(owner: str, option: Mapping[str, int]) -> dict[str, int]:
         raise ValueError(msg)
     for key, value in option.items():
         if not is_int(value) or value < 0:
-            msg = (
-                f"{owner}: schedule_option[{key!r}] must be an int >= 0; got {value!r}."
-            )
+            msg = f"{owner}: schedule_option[{key!r}] must be an int >= 0; got {summary(value)}."
             raise ValueError(msg)
     if option["active"] < 1:
         msg = (

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from funcaccel._checks import summary
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 from funcaccel.loader._placement import send_to_device
@@ -351,7 +352,7 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
         raise TypeError(msg)
     if not isinstance(state, LoaderState):
         msg = (
-            f"iter_batches: state must be a LoaderState; got {state!r} "
+            f"iter_batches: state must be a LoaderState; got {summary(state)} "
             f"({type(state).__name__}). Use LoaderState.from_dict for a saved dict."
         )
         raise TypeError(msg)

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from funcaccel._checks import summary
 from funcaccel._tree import tree_map
 
 __all__ = ["send_to_device"]
@@ -64,13 +65,13 @@ def send_to_device(
         target = device
     else:
         msg = (
-            f"send_to_device: device must be a torch.device or a str; got {device!r} "
+            f"send_to_device: device must be a torch.device or a str; got {summary(device)} "
             f"({type(device).__name__}). Pass e.g. torch.device('cpu') or ctx.device."
         )
         raise TypeError(msg)
     if not isinstance(non_blocking, bool):
         msg = (
-            f"send_to_device: non_blocking must be a bool; got {non_blocking!r} "
+            f"send_to_device: non_blocking must be a bool; got {summary(non_blocking)} "
             f"({type(non_blocking).__name__}). Pass True or False."
         )
         raise TypeError(msg)

@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data import RandomSampler
 from torch.utils.data import SequentialSampler
 
+from funcaccel._checks import summary
 from funcaccel._typing import RNG_TYPES
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
@@ -91,7 +92,7 @@ class Setup:
 
 def _type_error(name: str, expected: str, value: object) -> TypeError:
     return TypeError(
-        f"{_WHERE}: {name} must be {expected}; got {value!r} ({type(value).__name__})."
+        f"{_WHERE}: {name} must be {expected}; got {summary(value)} ({type(value).__name__})."
     )
 
 
@@ -137,7 +138,7 @@ def _check_rng_types(rng_types: object, ctx: DistributedContext) -> tuple[RngTyp
         if name not in RNG_TYPES:
             msg = (
                 f"{_WHERE}: rng_types may hold only 'torch', 'cuda' and 'generator'; "
-                f"got {name!r} in {list(rng_types)!r}. Remove it."
+                f"got {name!r} in {summary(list(rng_types))}. Remove it."
             )
             raise ValueError(msg)
         if name == "cuda" and ctx.device.type != "cuda":

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 from typing import Final
 
+from funcaccel._checks import summary
+
 __all__ = ["START", "Batch", "LoaderState", "check_count", "make_batch"]
 
 
 def check_count(where: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         msg = (
-            f"{where}: {name} must be an int; got {value!r} ({type(value).__name__}). "
+            f"{where}: {name} must be an int; got {summary(value)} ({type(value).__name__}). "
             "Pass a non-negative int."
         )
         raise TypeError(msg)

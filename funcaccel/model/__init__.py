@@ -7,6 +7,7 @@ sharding.
 from __future__ import annotations
 
 from funcaccel.model._fsdp import FSDPOptions
+from funcaccel.model._fsdp import check_optimizers_hold
 from funcaccel.model._wrap import inside_compile
 from funcaccel.model._wrap import move_optimizer_state_
 from funcaccel.model._wrap import unwrap_model
@@ -14,6 +15,7 @@ from funcaccel.model._wrap import wrap_model
 
 __all__ = [
     "FSDPOptions",
+    "check_optimizers_hold",
     "inside_compile",
     "move_optimizer_state_",
     "unwrap_model",

@@ -11,11 +11,15 @@ public names are re-exported by ``funcaccel.model``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
+from funcaccel._checks import summary
+from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._dist_types import is_instance_if_loaded
 from funcaccel.context import DistributedContext
@@ -24,7 +28,12 @@ if TYPE_CHECKING:
     # Imported for real only when sharding: the package takes seconds to import.
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["FSDPOptions", "check_fsdp_options", "shard_model"]
+__all__ = [
+    "FSDPOptions",
+    "check_fsdp_options",
+    "check_optimizers_hold",
+    "shard_model",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,14 +71,14 @@ class FSDPOptions:
         if isinstance(classes, (str, bytes)) or not isinstance(classes, Sequence):
             msg = (
                 f"{owner}: shard_modules must be a sequence of nn.Module classes; got "
-                f"{classes!r}. Use e.g. shard_modules=(TransformerBlock,)."
+                f"{summary(classes)}. Use e.g. shard_modules=(TransformerBlock,)."
             )
             raise TypeError(msg)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                 msg = (
                     f"{owner}: shard_modules must hold nn.Module subclasses; got "
-                    f"{cls!r}. Pass the class (e.g. nn.Linear), not an instance."
+                    f"{summary(cls)}. Pass the class (e.g. nn.Linear), not an instance."
                 )
                 raise TypeError(msg)
         object.__setattr__(self, "shard_modules", tuple(classes))
@@ -77,7 +86,7 @@ class FSDPOptions:
         if reshard is not None and not isinstance(reshard, (bool, int)):
             msg = (
                 f"{owner}: reshard_after_forward must be a bool, an int or None; got "
-                f"{reshard!r} ({type(reshard).__name__})."
+                f"{summary(reshard)} ({type(reshard).__name__})."
             )
             raise TypeError(msg)
         if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
@@ -91,7 +100,7 @@ class FSDPOptions:
         ):
             msg = (
                 f"{owner}: mp_policy must be a torch.distributed.fsdp."
-                f"MixedPrecisionPolicy or None; got {self.mp_policy!r}. Use e.g. "
+                f"MixedPrecisionPolicy or None; got {summary(self.mp_policy)}. Use e.g. "
                 "MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
             )
             raise TypeError(msg)
@@ -129,17 +138,24 @@ def check_fsdp_options(
 
 
 def shard_model(
-    ctx: DistributedContext, model: nn.Module, options: FSDPOptions
+    ctx: DistributedContext,
+    model: nn.Module,
+    options: FSDPOptions,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> nn.Module:
     """Apply ``fully_shard`` in place to ``model``'s chosen submodules, then to it.
 
     The mesh is one dimension over the default group, on ``ctx.device.type`` (not
     torch's default, which would pick CUDA whenever it exists). Submodules are
     visited in reverse pre-order, so a nested match is sharded before its parent.
+    ``fully_shard`` replaces every parameter with a new sharded (``DTensor``)
+    one; each of ``optimizers`` is then pointed, in place, at the new parameters
+    (see ``rebind_optimizers_``).
 
     Returns:
         ``model`` itself, now an ``FSDPModule``.
     """
+    before = dict(model.named_parameters(remove_duplicate=False))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard
@@ -163,4 +179,110 @@ def shard_model(
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=policy,
     )
+    after = dict(model.named_parameters(remove_duplicate=False))
+    replaced = {
+        id(old): after[name]
+        for name, old in before.items()
+        if name in after and after[name] is not old
+    }
+    rebind_optimizers_(optimizers, replaced)
     return model
+
+
+def rebind_optimizers_(
+    optimizers: Sequence[torch.optim.Optimizer],
+    replaced: Mapping[int, nn.Parameter],
+) -> int:
+    """Point ``optimizers`` in place at the parameters that replaced their own.
+
+    ``replaced`` maps ``id(old parameter)`` to the parameter that took its place.
+    Each param group keeps its order and hyperparameters; a replaced parameter's
+    optimizer state moves to the new one, and a state tensor of the old
+    parameter's shape (a momentum, Adam's moments) is sharded as the new
+    parameter is (each rank keeps its own rows, as ``fully_shard`` does with the
+    parameter itself); other state (``step``) is kept as it is.
+
+    Returns:
+        How many parameter entries were replaced.
+    """
+    count = 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params: list[torch.Tensor] = []
+            for old in group["params"]:
+                new = replaced.get(id(old))
+                if new is None:
+                    params.append(old)
+                    continue
+                state = optimizer.state.pop(old, None)
+                if state:
+                    optimizer.state[new] = {
+                        key: _sharded_like(value, old, new)
+                        for key, value in state.items()
+                    }
+                params.append(new)
+                count += 1
+            group["params"] = params
+    return count
+
+
+def _sharded_like(value: object, old: torch.Tensor, new: torch.Tensor) -> object:
+    if not (
+        isinstance(value, torch.Tensor)
+        and not is_dtensor(value)
+        and is_dtensor(new)
+        and value.dim() > 0
+        and value.shape == old.shape
+    ):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: every rank slices its own copy, as fully_shard does with
+    # the parameter, so no rank's state is overwritten by another's.
+    return distribute_tensor(
+        value.to(new.device_mesh.device_type),
+        new.device_mesh,
+        new.placements,
+        src_data_rank=None,
+    )
+
+
+def check_optimizers_hold(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    caller: str,
+) -> None:
+    """Raise unless every optimizer holds a parameter of one of ``models``.
+
+    Only FSDP2 models replace their parameters, so nothing is checked when none
+    of ``models`` is one. In the usual case the first parameter of each optimizer
+    is among the first parameters of the model, and the check stops there.
+
+    Raises:
+        ValueError: an optimizer that holds none of the models' parameters (it was
+            built before ``wrap_model`` sharded them).
+    """
+    if not any(is_fsdp_module(model) for model in models):
+        return
+    for index, optimizer in enumerate(optimizers):
+        groups = optimizer.param_groups
+        first = next((g["params"][0] for g in groups if g["params"]), None)
+        if first is None or _holds(models, first):
+            continue
+        owned = {id(p) for model in models for p in model.parameters()}
+        if any(id(p) in owned for group in groups for p in group["params"]):
+            continue
+        name = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
+        msg = (
+            f"{caller}: {name} holds none of the model's parameters: "
+            "wrap_model(..., fsdp=FSDPOptions(...)) replaced them with sharded "
+            "parameters, so an optimizer built before it would never change the "
+            "model. Pass it to wrap_model(ctx, model, fsdp=..., optimizers="
+            "optimizer), which re-points it at the new parameters, or build the "
+            "optimizer after wrap_model from model.parameters()."
+        )
+        raise ValueError(msg)
+
+
+def _holds(models: Sequence[nn.Module], param: torch.Tensor) -> bool:
+    return any(p is param for model in models for p in model.parameters())

@@ -20,8 +20,10 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 from typing import Final
 from typing import TypeAlias
@@ -31,6 +33,8 @@ from torch import nn
 from torch.nn.parallel import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._checks import as_tuple_of
+from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
@@ -103,6 +107,7 @@ def wrap_model(
     ddp_kwargs: DistributedDataParallelKwargs | None = None,
     *,
     fsdp: FSDPOptions | None = None,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
 ) -> nn.Module:
     """Move ``model`` to ``ctx.device`` in place (as ``.to`` does), then wrap it for ``ctx``.
 
@@ -116,7 +121,13 @@ def wrap_model(
     ``PowerSGDState(process_group=None, **comm_state_option)``, optionally inside the
     ``fp16`` / ``bf16`` compress wrapper. With ``fsdp`` the module is sharded in place
     by FSDP2 (see ``FSDPOptions``) and returned: it is its own root. ``forward`` is
-    never replaced; autocast is applied by the training step. torch 2.13 deprecates
+    never replaced; autocast is applied by the training step. FSDP2 replaces every
+    parameter with a new sharded one, so an optimizer built before ``wrap_model``
+    (the order of Accelerate's examples) must be passed in ``optimizers``: its
+    param groups are re-pointed in place at the new parameters, keeping their
+    order, hyperparameters and state (state tensors sharded like their
+    parameter). DDP and one process keep the parameters, and leave ``optimizers``
+    untouched. torch 2.13 deprecates
     DDP's ``broadcast_buffers`` and ``check_reduction``: setting either away from
     its default makes DDP emit its ``FutureWarning``, which is passed on as is.
 
@@ -131,19 +142,26 @@ def wrap_model(
         model: the user's module; changed in place (moved, and sharded with FSDP).
         ddp_kwargs: DDP options and communication hook; ``None`` for the defaults.
         fsdp: FSDP2 options; ``None`` selects DDP.
+        optimizers: optimizers already built on ``model``'s parameters; changed
+            in place when FSDP2 replaces the parameters.
 
     Returns:
         ``model``, or a ``DistributedDataParallel`` wrapping it.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: ``model`` is already wrapped; ``fsdp`` with non-default
+        ValueError: ``model`` is already wrapped; ``fsdp`` together with
             ``ddp_kwargs``; a bfloat16 hook or wrapper on a device whose backend
             cannot all-reduce bfloat16 (CPU/gloo); FSDP options that do not fit
             ``ctx``.
         RuntimeError: ``ctx.num_processes > 1`` without a matching default group.
     """
     _check_arguments(ctx, model, ddp_kwargs, fsdp)
+    opts: tuple[torch.optim.Optimizer, ...] = ()
+    if not (isinstance(optimizers, tuple) and not optimizers):
+        opts = as_tuple_of(
+            optimizers, torch.optim.Optimizer, caller="wrap_model", name="optimizers"
+        )
     kwargs = DistributedDataParallelKwargs() if ddp_kwargs is None else ddp_kwargs
     if ctx.num_processes > 1:
         if fsdp is None:
@@ -157,7 +175,7 @@ def wrap_model(
     if not any(param.requires_grad for param in model.parameters()):
         return model
     if fsdp is not None:
-        return shard_model(ctx, model, fsdp)
+        return shard_model(ctx, model, fsdp, opts)
     return _build_ddp(ctx, model, kwargs)
 
 
@@ -166,7 +184,7 @@ def _check_arguments(
 ) -> None:
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"wrap_model: ctx must be a DistributedContext; got {ctx!r} "
+            f"wrap_model: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
@@ -181,12 +199,12 @@ def _check_arguments(
     ):
         msg = (
             f"wrap_model: ddp_kwargs must be a DistributedDataParallelKwargs or None; "
-            f"got {ddp_kwargs!r} ({type(ddp_kwargs).__name__})."
+            f"got {summary(ddp_kwargs)} ({type(ddp_kwargs).__name__})."
         )
         raise TypeError(msg)
     if fsdp is not None and not isinstance(fsdp, FSDPOptions):
         msg = (
-            f"wrap_model: fsdp must be an FSDPOptions or None; got {fsdp!r} "
+            f"wrap_model: fsdp must be an FSDPOptions or None; got {summary(fsdp)} "
             f"({type(fsdp).__name__}). Use fsdp=FSDPOptions() for the defaults."
         )
         raise TypeError(msg)
@@ -199,16 +217,27 @@ def _check_arguments(
             "unwrap_model(model), or use the wrapped model as it is."
         )
         raise ValueError(msg)
-    if (
-        fsdp is not None
-        and ddp_kwargs is not None
-        and ddp_kwargs != DistributedDataParallelKwargs()
-    ):
+    if fsdp is not None and ddp_kwargs is not None:
+        # Refused at every world size (and for default kwargs too), so that a
+        # script tried on one process fails there, not first on the cluster.
+        assert isinstance(ddp_kwargs, DistributedDataParallelKwargs)
         msg = (
             f"wrap_model: ddp_kwargs only configure DDP, but fsdp was given; got "
-            f"{ddp_kwargs!r}. Pass ddp_kwargs=None with fsdp, or fsdp=None for DDP."
+            f"{_changed_fields(ddp_kwargs)}. Pass ddp_kwargs=None with fsdp, or "
+            "fsdp=None for DDP."
         )
         raise ValueError(msg)
+
+
+def _changed_fields(kwargs: DistributedDataParallelKwargs) -> str:
+    # The whole repr runs to 300 characters; the fields set are what matters.
+    default = DistributedDataParallelKwargs()
+    changed = ", ".join(
+        f"{field.name}={getattr(kwargs, field.name)!r}"
+        for field in dataclasses.fields(kwargs)
+        if getattr(kwargs, field.name) != getattr(default, field.name)
+    )
+    return f"DistributedDataParallelKwargs({changed})"
 
 
 def _check_hook_device(
@@ -300,7 +329,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         msg = (
-            f"unwrap_model: model must be a torch.nn.Module; got {model!r} "
+            f"unwrap_model: model must be a torch.nn.Module; got {summary(model)} "
             f"({type(model).__name__})."
         )
         raise TypeError(msg)
@@ -346,7 +375,7 @@ def move_optimizer_state_(optimizer: torch.optim.Optimizer) -> int:
     if not isinstance(optimizer, torch.optim.Optimizer):
         msg = (
             f"move_optimizer_state_: optimizer must be a torch.optim.Optimizer; got "
-            f"{optimizer!r} ({type(optimizer).__name__})."
+            f"{summary(optimizer)} ({type(optimizer).__name__})."
         )
         raise TypeError(msg)
     moved = 0

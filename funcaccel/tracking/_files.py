@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 from typing import Final
 
+from funcaccel._checks import summary
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import tracker_path
@@ -40,7 +41,7 @@ def _check_clock(owner: str, clock: object) -> Clock:
     if not callable(clock):
         msg = (
             f"{owner}: clock must be a callable returning the wall time, such as "
-            f"time.time; got {clock!r} ({type(clock).__name__})."
+            f"time.time; got {summary(clock)} ({type(clock).__name__})."
         )
         raise TypeError(msg)
     return clock

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Protocol
 from typing import runtime_checkable
 
+from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
 from funcaccel.tracking._values import ConfigValue
@@ -72,13 +73,13 @@ def _gated(
     """Return the trackers this rank calls, in order, after checking the inputs."""
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"{caller}: ctx must be a DistributedContext; got {ctx!r} "
+            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
             f"({type_name(ctx)}). Build one with build_context()."
         )
         raise TypeError(msg)
     if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
         msg = (
-            f"{caller}: trackers must be a list of trackers; got {trackers!r} "
+            f"{caller}: trackers must be a list of trackers; got {summary(trackers)} "
             f"({type_name(trackers)}). Wrap a single tracker in a list: [tracker]."
         )
         raise TypeError(msg)
@@ -86,7 +87,7 @@ def _gated(
     for index, tracker in enumerate(list(trackers)):
         if not isinstance(tracker, Tracker):
             msg = (
-                f"{caller}: trackers[{index}] is {tracker!r} ({type_name(tracker)}), "
+                f"{caller}: trackers[{index}] is {summary(tracker)} ({type_name(tracker)}), "
                 "which lacks the Tracker methods (name, log, store_init_configuration, "
                 "finish)."
             )
@@ -95,7 +96,7 @@ def _gated(
         if not isinstance(main_only, bool):
             msg = (
                 f"{caller}: trackers[{index}] ({tracker.name}) has main_process_only="
-                f"{main_only!r} ({type_name(main_only)}); it must be a bool."
+                f"{summary(main_only)} ({type_name(main_only)}); it must be a bool."
             )
             raise TypeError(msg)
         if ctx.is_main_process or not main_only:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Final
 
+from funcaccel._checks import summary
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import require_package
@@ -40,7 +41,7 @@ _BATCH: Final = 100
 
 def _check_name(owner: str, name: str, value: object) -> str:
     if not isinstance(value, str):
-        msg = f"{owner}: {name} must be a str; got {value!r} ({type(value).__name__})."
+        msg = f"{owner}: {name} must be a str; got {summary(value)} ({type(value).__name__})."
         raise TypeError(msg)
     if not value:
         msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. 'funcaccel'."
@@ -53,7 +54,7 @@ def _tracking_uri(value: object) -> tuple[str, Path | None]:
     if not isinstance(value, (str, os.PathLike)):
         msg = (
             "MLflowTracker: tracking_uri must be a str or os.PathLike; got "
-            f"{value!r} ({type(value).__name__}). Pass a path such as "
+            f"{summary(value)} ({type(value).__name__}). Pass a path such as "
             "'runs/mlflow.db' or a URI such as 'http://localhost:5000'."
         )
         raise TypeError(msg)
@@ -63,7 +64,7 @@ def _tracking_uri(value: object) -> tuple[str, Path | None]:
     if not isinstance(text, str) or not text:
         msg = (
             f"MLflowTracker: tracking_uri must name a database file or a URI; got "
-            f"{value!r}. Pass a path such as 'runs/mlflow.db'."
+            f"{summary(value)}. Pass a path such as 'runs/mlflow.db'."
         )
         raise ValueError(msg)
     database = Path(os.path.abspath(text))

@@ -70,8 +70,8 @@ def _write_hparams(writer: _SummaryWriter, config: Mapping[str, ConfigValue]) ->
     # declares the attribute as None), so the record joins the run's scalars.
     file_writer: _FileWriter | None = getattr(writer, "file_writer", None)
     assert file_writer is not None
-    for summary in summaries:
-        file_writer.add_summary(summary)
+    for event in summaries:
+        file_writer.add_summary(event)
 
 
 class TensorBoardTracker(TrackerBase):

@@ -13,6 +13,7 @@ from typing import TypeAlias
 
 import torch
 
+from funcaccel._checks import summary
 from funcaccel._checks import type_name
 
 __all__ = [
@@ -47,7 +48,7 @@ def _scalar_from_tensor(
         raise ValueError(msg)
     item = value.item()
     if isinstance(item, complex):
-        msg = f"{caller}: value {key!r} is a complex tensor ({value!r}); log a real number."
+        msg = f"{caller}: value {key!r} is a complex tensor ({summary(value)}); log a real number."
         raise TypeError(msg)
     return item
 
@@ -66,7 +67,7 @@ def check_mapping(caller: str, what: str, values: object) -> Mapping[object, obj
     if not isinstance(values, Mapping):
         msg = (
             f"{caller}: {what} must be a mapping such as {{'loss': 0.5}}; got "
-            f"{values!r} ({type_name(values)})."
+            f"{summary(values)} ({type_name(values)})."
         )
         raise TypeError(msg)
     return values
@@ -105,7 +106,7 @@ def normalize_metrics(
             out[name] = float(value)
         else:
             msg = (
-                f"{caller}: value {name!r} is {value!r} ({type_name(value)}); log "
+                f"{caller}: value {name!r} is {summary(value)} ({type_name(value)}); log "
                 "an int, float, str, bool or one-element tensor."
             )
             raise TypeError(msg)
@@ -138,7 +139,7 @@ def normalize_config(
             out.update(normalize_metrics({name: value}, caller=caller))
         except TypeError:
             msg = (
-                f"{caller}: configuration value {name!r} is {value!r} "
+                f"{caller}: configuration value {name!r} is {summary(value)} "
                 f"({type_name(value)}); store a bool, str, int, float or None "
                 f"(for example str({name}))."
             )
@@ -150,9 +151,7 @@ def check_step(caller: str, step: object) -> None:
     if step is None:
         return
     if not isinstance(step, int) or isinstance(step, bool):
-        msg = (
-            f"{caller}: step must be an int or None; got {step!r} ({type_name(step)})."
-        )
+        msg = f"{caller}: step must be an int or None; got {summary(step)} ({type_name(step)})."
         raise TypeError(msg)
     if step < 0:
         msg = f"{caller}: step must be >= 0; got {step}."

@@ -135,7 +135,7 @@ def train(ctx: DistributedContext, args: argparse.Namespace) -> str:
                 functools.partial(_loss, model, x, y),
                 end_of_dataloader=batch.is_last,
             )
-            maybe_step_scheduler(ctx, sched, grad)
+            maybe_step_scheduler(ctx, sched, grad, loader=loader)
             state = batch.state
             if not grad.sync_gradients:
                 continue
