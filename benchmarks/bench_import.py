@@ -16,9 +16,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_SCRIPT = "import torch; import torch.distributed; import torch.utils.data"
 COMMANDS = {
     "import torch": "import torch",
     "import torch, funcaccel": "import torch; import funcaccel",
+    # What a training script imports anyway, with and without funcaccel; the
+    # control runs the first command again, so its ratio shows the noise.
+    "script imports": _SCRIPT,
+    "script imports, funcaccel": f"{_SCRIPT}; import funcaccel",
+    "script imports (noise control)": _SCRIPT,
 }
 
 
@@ -64,6 +70,12 @@ def main() -> None:
         print(f"| `{name}` | {median:.3f} | {q3 - q1:.3f} | {median / base:.3f} |")
     extra = statistics.median(samples["import torch, funcaccel"]) - base
     print(f"\nfuncaccel adds {extra * 1000:.0f} ms (median difference);")
+    script = statistics.median(samples["script imports"])
+    with_fa = statistics.median(samples["script imports, funcaccel"]) / script
+    control = statistics.median(samples["script imports (noise control)"]) / script
+    print(
+        f"over a script's own imports: {with_fa:.3f}x (noise control {control:.3f}x);"
+    )
     print(
         f"-X importtime self time of funcaccel modules: {_self_time_of_funcaccel() * 1000:.1f} ms"
     )

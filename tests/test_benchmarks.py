@@ -113,9 +113,20 @@ def test_bench_loader_runs() -> None:
 
 def test_bench_import_runs() -> None:
     out = _run("bench_import", "--repeats", 2)
-    rows = ["`import torch`", "`import torch, funcaccel`"]
+    rows = [
+        "`import torch`",
+        "`import torch, funcaccel`",
+        "`script imports`",
+        "`script imports, funcaccel`",
+        "`script imports (noise control)`",
+    ]
     _check_rows(out, rows, 3, {"`import torch`": ["1.000"]})
     assert re.search(r"^funcaccel adds -?\d+ ms \(median difference\);$", out, re.M)
+    assert re.search(
+        r"^over a script's own imports: \d+\.\d{3}x \(noise control \d+\.\d{3}x\);$",
+        out,
+        re.M,
+    )
     found = re.search(r"self time of funcaccel modules: (\d+\.\d) ms$", out, re.M)
     # -X importtime attributes time to funcaccel's own modules: parsing found them.
     assert found and float(found[1]) > 0, out
