@@ -1127,7 +1127,7 @@ def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
         (
             {"rng_types": "torch"},
             TypeError,
-            r"shard_loader: rng_types must be None or a list",
+            r"shard_loader: rng_types must be a list of names",
         ),
         (
             {"rng_types": ["torch", "numpy"]},

@@ -26,13 +26,13 @@ from torch.utils.data import RandomSampler
 from torch.utils.data import SequentialSampler
 
 from funcaccel._checks import summary
-from funcaccel._typing import RNG_TYPES
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 from funcaccel.loader._indices import BaseIndices
 from funcaccel.loader._reading import CountedStream
 from funcaccel.loader._reading import IndexSlot
 from funcaccel.loader._reading import TaggedCollate
+from funcaccel.rng import check_rng_types
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
 
@@ -129,26 +129,7 @@ def _check_types(
 def _check_rng_types(rng_types: object, ctx: DistributedContext) -> tuple[RngType, ...]:
     if rng_types is None:
         return ()
-    if isinstance(rng_types, str) or not isinstance(rng_types, Sequence):
-        raise _type_error(
-            "rng_types", "None or a list of names such as ['torch']", rng_types
-        )
-    names: list[RngType] = []
-    for name in rng_types:
-        if name not in RNG_TYPES:
-            msg = (
-                f"{_WHERE}: rng_types may hold only 'torch', 'cuda' and 'generator'; "
-                f"got {name!r} in {summary(list(rng_types))}. Remove it."
-            )
-            raise ValueError(msg)
-        if name == "cuda" and ctx.device.type != "cuda":
-            msg = (
-                f"{_WHERE}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
-                "remove 'cuda' on a CPU run."
-            )
-            raise ValueError(msg)
-        names.append(name)
-    return tuple(names)
+    return check_rng_types(_WHERE, rng_types, ctx)
 
 
 def _unused_generator(owner: str, generator: torch.Generator) -> ValueError:

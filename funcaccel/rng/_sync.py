@@ -21,12 +21,49 @@ from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
-__all__ = ["sync_rng_states"]
+__all__ = ["check_rng_types", "sync_rng_states"]
 
 
 def _broadcast_state(ctx: DistributedContext, state: torch.Tensor) -> torch.Tensor:
     buffer = state.to(comm_device(ctx), copy=True).contiguous()
     return broadcast_(ctx, buffer).cpu()
+
+
+def check_rng_types(
+    caller: str, rng_types: object, ctx: DistributedContext
+) -> tuple[RngType, ...]:
+    """Return ``rng_types`` as a tuple of names after checking each one.
+
+    Raises:
+        TypeError: ``rng_types`` is not a sequence of names (a string is not).
+        ValueError: a name other than ``"torch"``, ``"cuda"`` or ``"generator"``,
+            or ``"cuda"`` on a context whose device is not a GPU.
+
+    >>> check_rng_types("f", ["torch"], DistributedContext())
+    ('torch',)
+    """
+    if isinstance(rng_types, (str, bytes)) or not isinstance(rng_types, Sequence):
+        msg = (
+            f"{caller}: rng_types must be a list of names such as ['torch']; got "
+            f"{summary(rng_types)} ({type_name(rng_types)})."
+        )
+        raise TypeError(msg)
+    names: list[RngType] = []
+    for name in rng_types:
+        if name not in RNG_TYPES:
+            msg = (
+                f"{caller}: rng_types may hold only 'torch', 'cuda' and 'generator'; "
+                f"got {summary(name)} in {summary(list(rng_types))}. Remove it."
+            )
+            raise ValueError(msg)
+        if name == "cuda" and ctx.device.type != "cuda":
+            msg = (
+                f"{caller}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
+                "remove 'cuda' on a CPU run."
+            )
+            raise ValueError(msg)
+        names.append(name)
+    return tuple(names)
 
 
 def sync_rng_states(
@@ -60,32 +97,14 @@ def sync_rng_states(
     >>> sync_rng_states(DistributedContext(), ["torch"])  # one process: nothing to do
     """
     check_context(ctx, caller)
-    if isinstance(rng_types, (str, bytes)) or not isinstance(rng_types, Sequence):
-        msg = (
-            f"{caller}: rng_types must be a sequence of names such as ['torch']; "
-            f"got {summary(rng_types)} ({type_name(rng_types)})."
-        )
-        raise TypeError(msg)
-    for name in rng_types:
-        if name not in RNG_TYPES:
-            msg = (
-                f"{caller}: unknown rng_types entry {summary(name)}; use "
-                f"{', '.join(repr(n) for n in RNG_TYPES)}."
-            )
-            raise ValueError(msg)
-        if name == "cuda" and ctx.device.type != "cuda":
-            msg = (
-                f"{caller}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
-                "drop 'cuda' or build the context on a GPU."
-            )
-            raise ValueError(msg)
+    names_given = check_rng_types(caller, rng_types, ctx)
     if generator is not None and not isinstance(generator, torch.Generator):
         msg = (
             f"{caller}: generator must be a torch.Generator or None; got "
             f"{summary(generator)} ({type_name(generator)})."
         )
         raise TypeError(msg)
-    names = [name for name in rng_types if name != "generator" or generator]
+    names = [name for name in names_given if name != "generator" or generator]
     if ctx.num_processes == 1 or not names:
         return
     require_process_group(ctx, caller)
