@@ -25,6 +25,7 @@ import torch
 
 from funcaccel.collectives import exchange_codes
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
 __all__ = [
@@ -120,12 +121,7 @@ def find_executable_batch_size(
     ``(result, 16)``.
     """
     caller = "find_executable_batch_size"
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}. "
-            "Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, caller)
     if not callable(fn):
         msg = (
             f"{caller}: fn must be callable as fn(batch_size); got {repr(fn)[:80]} "

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.utils.data import IterableDataset
 
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.loader import ShardedLoader
 from funcaccel.loader import shard_loader
@@ -154,12 +155,7 @@ def join_uneven_inputs(
         UserWarning: ``even_batches`` is given but a loader is iterable or
             dispatches batches; it is yielded unchanged, as Accelerate does.
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"join_uneven_inputs: ctx must be a DistributedContext; got "
-            f"{type(ctx).__name__}. Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, "join_uneven_inputs")
     if even_batches is not None and not isinstance(even_batches, bool):
         msg = (
             f"join_uneven_inputs: even_batches must be None, True or False; got "

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
 from funcaccel.model import inside_compile
@@ -171,12 +172,7 @@ def local_sgd_step(
         UserWarning: the model is DDP and not inside ``no_sync(ctx, model)``, so
             its gradients were all-reduced and averaging changes nothing.
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"local_sgd_step: ctx must be a DistributedContext; got "
-            f"{type(ctx).__name__}. Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, "local_sgd_step")
     if not isinstance(state, LocalSGDState):
         msg = (
             f"local_sgd_step: state must be a LocalSGDState; got {state!r} "

@@ -53,6 +53,7 @@ import torch.profiler
 
 from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.kwargs import ProfileKwargs
 
 __all__ = ["build_profiler", "profiler_trace_path"]
@@ -254,12 +255,7 @@ def build_profiler(
             or (on exit) a schedule that never reached an active step.
         OSError: ``output_trace_dir`` cannot be created.
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"{_OWNER}: ctx must be a DistributedContext; got {summary(ctx)} "
-            f"({type(ctx).__name__}). Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, _OWNER)
     if kwargs is None:
         kwargs = ProfileKwargs()
     if not isinstance(kwargs, ProfileKwargs):

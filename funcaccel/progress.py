@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 
 __all__ = ["progress"]
 
@@ -130,12 +131,7 @@ def progress(
             wrong type.
         ValueError: a negative ``total`` or an ``every`` below 1.
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"progress: ctx must be a DistributedContext; got {summary(ctx)} "
-            f"({type(ctx).__name__}). Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, "progress")
     if not isinstance(iterable, Iterable):
         msg = (
             f"progress: iterable must be iterable; got {summary(iterable)} "

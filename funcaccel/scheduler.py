@@ -35,6 +35,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from funcaccel._checks import summary
 from funcaccel._typing import SupportsStep
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.grad_state import GradState
 from funcaccel.loader import ShardedLoader
 
@@ -137,9 +138,7 @@ def _check_args(
     step_with_optimizer: object,
     caller: str,
 ) -> None:
-    if not isinstance(ctx, DistributedContext):
-        msg = f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}."
-        raise TypeError(msg)
+    check_context(ctx, caller)
     if not isinstance(grad, GradState):
         msg = (
             f"{caller}: grad must be the GradState accumulate_step returned; got "

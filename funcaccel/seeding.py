@@ -25,6 +25,7 @@ from typing import Final
 import torch
 
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 
 __all__ = [
     "set_seed",
@@ -80,12 +81,7 @@ def set_seed(
     >>> set_seed(DistributedContext(), 3, device_specific=True)
     3
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"set_seed: ctx must be a DistributedContext; got {type(ctx).__name__}. "
-            "Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, "set_seed")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         shown = repr(seed)[:80]
         msg = (

@@ -970,7 +970,7 @@ def test_accumulate_step_rejects_bad_input() -> None:
         (lambda: accumulate_step(ONE, {"micro_step": 0}, net, opt, ok), TypeError,  # type: ignore[arg-type]
          r"accumulate_step: grad must be a GradState; got \{'micro_step': 0\}"),
         (lambda: accumulate_step("ctx", grad, net, opt, ok), TypeError,  # type: ignore[arg-type]
-         r"accumulate_step: ctx must be a DistributedContext; got str"),
+         r"accumulate_step: ctx must be a DistributedContext; got 'ctx' \(str\)"),
         (lambda: accumulate_step(ONE, grad, [], opt, ok), ValueError,
          r"accumulate_step: model is an empty sequence"),
         (lambda: accumulate_step(ONE, grad, net, net, ok), TypeError,  # type: ignore[arg-type]

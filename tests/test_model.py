@@ -534,7 +534,7 @@ def test_wrap_model_one_process_returns_the_module_on_the_device() -> None:
             DistributedDataParallelKwargs(
                 comm_hook=DDPCommunicationHookType.BF16,
             ),
-            r"ctx.device is cpu \(backend None\)",
+            r"ctx.device is cpu \(backend 'gloo'\)",
         ),
         (
             DistributedDataParallelKwargs(comm_hook="power_sgd", comm_wrapper="bf16"),

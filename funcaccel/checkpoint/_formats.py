@@ -45,6 +45,7 @@ from funcaccel.checkpoint._dcp_checks import check_dcp_value
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.model import unwrap_model
 from funcaccel.rng import capture_rng_state
@@ -110,12 +111,7 @@ def check_state_objects(
         ValueError: an ``objects`` key that cannot name a file.
         RuntimeError: ``ctx`` has several processes and no matching default group.
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
-            f"({type(ctx).__name__}). Build one with build_context()."
-        )
-        raise TypeError(msg)
+    ctx = check_context(ctx, caller)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         msg = f"{caller}: scaler must be a torch.amp.GradScaler or None; got {summary(scaler)}."
         raise TypeError(msg)

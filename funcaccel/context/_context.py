@@ -408,11 +408,12 @@ def close_context(ctx: DistributedContext) -> None:
         dist.destroy_process_group()
 
 
-def check_context(ctx: object, caller: str) -> None:
-    """Raise ``TypeError`` naming ``caller`` unless ``ctx`` is a ``DistributedContext``."""
+def check_context(ctx: object, caller: str) -> DistributedContext:
+    """Return ``ctx``, or raise ``TypeError`` naming ``caller`` if it is not a context."""
     if not isinstance(ctx, DistributedContext):
         msg = (
-            f"{caller}: ctx must be a DistributedContext; got {type(ctx).__name__}. "
-            "Build one with build_context()."
+            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
+            f"({type(ctx).__name__}). Build one with build_context()."
         )
         raise TypeError(msg)
+    return ctx

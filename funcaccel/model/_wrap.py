@@ -37,6 +37,7 @@ from funcaccel._checks import as_tuple_of
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
@@ -182,12 +183,7 @@ def wrap_model(
 def _check_arguments(
     ctx: object, model: object, ddp_kwargs: object, fsdp: object
 ) -> None:
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"wrap_model: ctx must be a DistributedContext; got {summary(ctx)} "
-            f"({type(ctx).__name__}). Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, "wrap_model")
     if not isinstance(model, nn.Module):
         msg = (
             f"wrap_model: model must be a torch.nn.Module; got {type(model).__name__}. "

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import tracker_path
 from funcaccel.tracking._files import CSVTracker
@@ -123,12 +124,7 @@ def trackers_from_names(
         ImportError: a named tracker's package is not installed (checked before
             any tracker is built).
     """
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"trackers_from_names: ctx must be a DistributedContext; got "
-            f"{summary(ctx)} ({type_name(ctx)}). Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, "trackers_from_names")
     if not isinstance(project_name, str) or not project_name:
         msg = (
             f"trackers_from_names: project_name must be a non-empty str; got "

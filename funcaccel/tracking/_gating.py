@@ -33,6 +33,7 @@ from typing import runtime_checkable
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
+from funcaccel.context import check_context
 from funcaccel.tracking._values import ConfigValue
 from funcaccel.tracking._values import MetricValue
 from funcaccel.tracking._values import check_mapping
@@ -71,12 +72,7 @@ def _gated(
     caller: str, ctx: DistributedContext, trackers: Iterable[Tracker]
 ) -> list[Tracker]:
     """Return the trackers this rank calls, in order, after checking the inputs."""
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
-            f"({type_name(ctx)}). Build one with build_context()."
-        )
-        raise TypeError(msg)
+    check_context(ctx, caller)
     if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
         msg = (
             f"{caller}: trackers must be a list of trackers; got {summary(trackers)} "
