@@ -22,6 +22,7 @@ from funcaccel.context import DistributedContext
 
 if TYPE_CHECKING:
     # Imported for real only when sharding: the package takes seconds to import.
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["FSDPOptions", "check_fsdp_options", "shard_model"]
@@ -98,9 +99,12 @@ class FSDPOptions:
 
 
 def check_fsdp_options(
-    ctx: DistributedContext, options: FSDPOptions, caller: str
+    ctx: DistributedContext,
+    options: FSDPOptions,
+    caller: str,
+    shard_size: int | None = None,
 ) -> None:
-    """Check that ``options`` fit a world of ``ctx.num_processes`` ranks.
+    """Check that ``options`` fit shards over ``shard_size`` ranks (default: the world).
 
     Raises:
         ValueError: an integer ``reshard_after_forward`` that does not divide the
@@ -119,23 +123,28 @@ def check_fsdp_options(
     reshard = options.reshard_after_forward
     if isinstance(reshard, bool) or reshard is None:
         return
-    world = ctx.num_processes
+    world = ctx.num_processes if shard_size is None else shard_size
+    what = "the world size" if shard_size is None else "the mesh's dp_shard"
     if reshard > world or world % reshard != 0:
         msg = (
             f"{caller}: FSDPOptions.reshard_after_forward={reshard} must divide "
-            f"the world size ({world}); use a divisor of {world}, or True/False."
+            f"{what} ({world}); use a divisor of {world}, or True/False."
         )
         raise ValueError(msg)
 
 
 def shard_model(
-    ctx: DistributedContext, model: nn.Module, options: FSDPOptions
+    ctx: DistributedContext,
+    model: nn.Module,
+    options: FSDPOptions,
+    device_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` in place to ``model``'s chosen submodules, then to it.
 
-    The mesh is one dimension over the default group, on ``ctx.device.type`` (not
-    torch's default, which would pick CUDA whenever it exists). Submodules are
-    visited in reverse pre-order, so a nested match is sharded before its parent.
+    The mesh is ``device_mesh`` (two dimensions: replicate, shard, for HSDP) or
+    one dimension over the default group, on ``ctx.device.type`` (not torch's
+    default, which would pick CUDA whenever it exists). Submodules are visited in
+    reverse pre-order, so a nested match is sharded before its parent.
 
     Returns:
         ``model`` itself, now an ``FSDPModule``.
@@ -144,7 +153,11 @@ def shard_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.num_processes,))
+    mesh = (
+        init_device_mesh(ctx.device.type, (ctx.num_processes,))
+        if device_mesh is None
+        else device_mesh
+    )
     policy = MixedPrecisionPolicy() if options.mp_policy is None else options.mp_policy
     classes = tuple(options.shard_modules)
     if classes:
