@@ -181,9 +181,7 @@ def test_shard_loader_refuses_a_mesh_of_another_rank() -> None:
     with pytest.raises(
         ValueError, match=r"shard_loader: mesh of shape \(1, 1, 2\) is for rank 1"
     ):
-        shard_loader(
-            rank_ctx(2, 0), DataLoader(Indexed(4), batch_size=2), mesh=mesh
-        )
+        shard_loader(rank_ctx(2, 0), DataLoader(Indexed(4), batch_size=2), mesh=mesh)
 
 
 def _loader_on_mesh(ctx: DistributedContext) -> dict[str, Any]:

@@ -57,7 +57,6 @@ __all__ = [
 _CommHook: TypeAlias = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 
 
-
 def _hook(hook_type: DDPCommunicationHookType) -> _CommHook:
     """Return torch's hook for ``hook_type`` (its module is imported on first use)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -72,7 +71,9 @@ def _hook(hook_type: DDPCommunicationHookType) -> _CommHook:
     return hooks[hook_type]
 
 
-def _wrapper(wrapper_type: DDPCommunicationHookType) -> Callable[[_CommHook], _CommHook]:
+def _wrapper(
+    wrapper_type: DDPCommunicationHookType,
+) -> Callable[[_CommHook], _CommHook]:
     """Return torch's compression wrapper for ``wrapper_type`` (imported on first use)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -141,8 +142,9 @@ def wrap_model(
     replicates a tensor-parallel model over ``dp_replicate`` (DDP cannot hold
     ``DTensor`` parameters). With 4 ranks, ``build_mesh(ctx, dp_shard=2, tp=2)``
     and ``tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()}``: rank 1
-    holds rows 0-1 of tensor-parallel half 1 of ``up.weight`` (of 8 rows), rank 2
-    rows 0-1 of half 0, and ranks 0/1 and 2/3 see the same batches.
+    holds rows 4-5 of ``up.weight`` (8 rows: tensor-parallel half 1, FSDP shard
+    0), rank 2 rows 2-3 (half 0, shard 1), and ranks 0/1 and 2/3 see the same
+    batches (docs/mesh.md).
 
     Args:
         ctx: the distributed context.
