@@ -63,6 +63,8 @@ from funcaccel.loader import shard_loader
 from funcaccel.local_sgd import LocalSGDState
 from funcaccel.local_sgd import average_parameters_
 from funcaccel.local_sgd import local_sgd_step
+from funcaccel.mesh import ParallelMesh
+from funcaccel.mesh import build_mesh
 from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.mixed_precision import autocast_dtype
 from funcaccel.mixed_precision import build_grad_scaler
@@ -171,6 +173,7 @@ __all__ = [
     "LogRecord",
     "MLflowTracker",
     "MetricValue",
+    "ParallelMesh",
     "ProfileKwargs",
     "Reduction",
     "RngType",
@@ -191,6 +194,7 @@ __all__ = [
     "broadcast_object",
     "build_context",
     "build_grad_scaler",
+    "build_mesh",
     "build_profiler",
     "clip_grad_norm_",
     "clip_grad_value_",

@@ -19,6 +19,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -195,7 +196,11 @@ def clip_grad_norm_(
 
     With a scaler the gradients of ``optimizer`` (one or several) are unscaled
     first, once per step (see ``unscale_grads_``); ``parameters`` should be theirs.
-    Sharded (FSDP2 ``DTensor``) gradients are clipped by their global norm.
+    ``DTensor`` gradients (FSDP2, tensor parallelism, both on a mesh) count with
+    their whole tensor, each once: the norm is the one the unsharded model's
+    gradients have, whatever their meshes and placements. Plain gradients next to
+    them count as this rank's (replicated) values. Every rank must then call this
+    with the same parameters in the same order (one all-reduce per ``DTensor``).
 
     Args:
         parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped.
@@ -228,10 +233,34 @@ def clip_grad_norm_(
             )
             raise ValueError(msg)
         unscale_grads_(scaler, optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-    if is_dtensor(norm):
-        norm = norm.full_tensor()
-    return norm
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(is_dtensor(g) for g in grads):
+        return _clip_distributed(grads, max_norm, norm_type)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def _clip_distributed(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float
+) -> torch.Tensor:
+    # torch's clip_grad_norm_ stacks the per-gradient norms, which fails for
+    # DTensors on different meshes (a tensor-parallel weight next to an FSDP-only
+    # one); each norm is made whole (full_tensor) first instead.
+    norms = []
+    with torch.no_grad():
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad, norm_type)
+            norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
+        dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms))
+        device = norms[0].device
+        stacked = torch.stack([n.to(device=device, dtype=dtype) for n in norms])
+        total: torch.Tensor = torch.linalg.vector_norm(stacked, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            local = grad.to_local() if is_dtensor(grad) else grad
+            # Scaling is elementwise, so scaling each shard scales the whole.
+            local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total
 
 
 def clip_grad_value_(

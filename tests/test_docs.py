@@ -37,6 +37,7 @@ PAGES: Final = (
     "collectives.md",
     "accumulate.md",
     "model.md",
+    "mesh.md",
     "profiler.md",
     "tracking.md",
     "checkpoint.md",

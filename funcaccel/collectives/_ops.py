@@ -46,6 +46,8 @@ from funcaccel.collectives._pad import check_pad_fill
 from funcaccel.collectives._pad import pad_tensor
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
+from funcaccel.mesh import ParallelMesh
+from funcaccel.mesh import check_mesh
 
 __all__ = [
     "BatchInfo",
@@ -139,7 +141,9 @@ def _gather_rows(
     paths: list[str],
     flat: list[torch.Tensor],
     specs: list[list[tuple[tuple[int, ...], str]]],
+    keep: range | None = None,
 ) -> list[torch.Tensor]:
+    """All-gather each leaf's rows; keep the ranks in ``keep`` (default: all)."""
     out = []
     for path, tensor, per_rank in zip(paths, flat, specs, strict=True):
         check_agree(caller, path, per_rank, 1)
@@ -148,7 +152,8 @@ def _gather_rows(
         send = pad_tensor(tensor, max(sizes)).contiguous()
         buffers = [torch.empty_like(send) for _ in sizes]
         dist.all_gather(buffers, send)
-        out.append(torch.cat([b[:n] for b, n in zip(buffers, sizes, strict=True)]))
+        parts = [b[:n] for b, n in zip(buffers, sizes, strict=True)]
+        out.append(torch.cat(parts if keep is None else [parts[g] for g in keep]))
     return out
 
 
@@ -325,13 +330,13 @@ def pad_across_processes(
     return rebuild(data, out)
 
 
-def _check_batch(ctx: DistributedContext, batch: _BatchArg) -> BatchInfo | None:
+def _check_batch(batch: _BatchArg, data_ranks: int) -> BatchInfo | None:
     """Return ``batch`` as a record or ``None``; refuse a missing one at ``p > 1``."""
     if batch is _NOT_PASSED:
         # Every rank runs the same call, so every rank raises here, before any
         # collective: no rank is left waiting.
-        if ctx.num_processes > 1:
-            raise TypeError(_MSG_NO_BATCH.format(p=ctx.num_processes))
+        if data_ranks > 1:
+            raise TypeError(_MSG_NO_BATCH.format(p=data_ranks))
         return None  # one process: nothing is ever looped back
     if batch is None:
         return None
@@ -357,6 +362,7 @@ def gather_for_metrics(
     *,
     batch: _BatchArg = ...,
     use_gather_object: bool = ...,
+    mesh: ParallelMesh | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def gather_for_metrics(
@@ -365,6 +371,7 @@ def gather_for_metrics(
     *,
     batch: _BatchArg = ...,
     use_gather_object: bool = ...,
+    mesh: ParallelMesh | None = ...,
 ) -> list[T]: ...
 @overload
 def gather_for_metrics(
@@ -373,6 +380,7 @@ def gather_for_metrics(
     *,
     batch: _BatchArg = ...,
     use_gather_object: bool = ...,
+    mesh: ParallelMesh | None = ...,
 ) -> tuple[T, ...] | list[T]: ...
 @overload
 def gather_for_metrics(
@@ -381,6 +389,7 @@ def gather_for_metrics(
     *,
     batch: _BatchArg = ...,
     use_gather_object: bool = ...,
+    mesh: ParallelMesh | None = ...,
 ) -> M: ...
 def gather_for_metrics(
     ctx: DistributedContext,
@@ -388,6 +397,7 @@ def gather_for_metrics(
     *,
     batch: _BatchArg = _NOT_PASSED,
     use_gather_object: bool = False,
+    mesh: ParallelMesh | None = None,
 ) -> object:
     """Gather ``data`` from every rank, then drop the epoch's looped-back duplicates.
 
@@ -413,9 +423,15 @@ def gather_for_metrics(
             object with ``is_last: bool`` and ``remainder: int``), or ``None``
             when ``data`` holds no looped-back samples.
         use_gather_object: Gather ``data`` as objects even if it holds only tensors.
+        mesh: The ``ParallelMesh`` the loader was sharded on: the ranks of a
+            tensor-parallel group read the same batches, so one copy per group is
+            kept (its ``tp`` rank 0's), in data-parallel rank order. Every rank
+            still takes part in one all-gather over the world. With
+            ``mesh.dp_size == 1`` this rank's ``data`` is returned as it is.
 
     Returns:
-        Every rank's ``data``, concatenated in rank order, without the duplicates.
+        Every (data-parallel) rank's ``data``, concatenated in rank order, without
+        the duplicates.
 
     Raises:
         TypeError: ``batch`` not passed with several processes; ``batch`` lacks
@@ -427,12 +443,19 @@ def gather_for_metrics(
     """
     caller = "gather_for_metrics"
     require_process_group(ctx, caller)
-    record = _check_batch(ctx, batch)
+    keep: range | None = None
+    data_ranks = ctx.num_processes
+    if mesh is not None:
+        check_mesh(ctx, mesh, caller)
+        data_ranks = mesh.dp_size
+        if mesh.tp > 1:  # tp rank 0 of each group: ranks 0, tp, 2 * tp, ...
+            keep = range(0, ctx.num_processes, mesh.tp)
+    record = _check_batch(batch, data_ranks)
     limit = None
     if record is not None and record.is_last and record.remainder > 0:
         limit = record.remainder
     objects = use_gather_object or not is_tensor_tree(data)
-    if ctx.num_processes == 1:
+    if data_ranks == 1:
         if objects:
             join_objects(caller, "data", [data])
         return data
@@ -449,8 +472,10 @@ def gather_for_metrics(
             every = [
                 (True, x if w else y) for (w, x), y in zip(every, late, strict=True)
             ]
-        return join_objects(caller, "data", [x for _, x in every])[:limit]
+        kept = [x for _, x in every]
+        if keep is not None:
+            kept = [kept[g] for g in keep]
+        return join_objects(caller, "data", kept)[:limit]
     specs = per_leaf(caller, paths, [spec for _, spec in every])
-    return rebuild(
-        data, [t[:limit] for t in _gather_rows(ctx, caller, paths, flat, specs)]
-    )
+    gathered = _gather_rows(ctx, caller, paths, flat, specs, keep)
+    return rebuild(data, [t[:limit] for t in gathered])

@@ -214,6 +214,8 @@ def dispatch_epoch(
     drop_last: bool,
     first_index: int,
     slice_fn: SliceFn | None,
+    shares: int | None = None,
+    share: int | None = None,
 ) -> Iterator[tuple[Any, bool, int]]:
     """Yield ``(this rank's rows, is_last, rows of the global batch)`` per global batch.
 
@@ -225,13 +227,27 @@ def dispatch_epoch(
     With 2 ranks, 9 samples and batches of 2, the global batches are [0..3], [4..7]
     and [8]; the last is padded with the first 2 rows of the first, so rank 0
     receives [0,1] [4,5] [8] and rank 1 [2,3] [6,7] [0], each with 1 real row last.
+
+    Every rank receives every global batch and keeps its part: part ``share`` of
+    ``shares`` (by default ``ctx.process_index`` of ``ctx.num_processes``; on a
+    mesh its data-parallel rank of ``dp_size``, so a tensor-parallel group keeps
+    the same rows). Rank 0 keeps part 0.
     """
+    parts = ctx.num_processes if shares is None else shares
+    part = ctx.process_index if share is None else share
     if ctx.process_index == 0:
-        assert base_batches is not None
+        assert base_batches is not None and part == 0
         return _lead(
-            ctx, base_batches, pad_source, group, drop_last, first_index, slice_fn
+            ctx,
+            base_batches,
+            pad_source,
+            group,
+            drop_last,
+            first_index,
+            slice_fn,
+            parts,
         )
-    return _follow(ctx, slice_fn)
+    return _follow(ctx, slice_fn, part)
 
 
 def _lead(
@@ -242,8 +258,9 @@ def _lead(
     drop_last: bool,
     first_index: int,
     slice_fn: SliceFn | None,
+    parts: int,
 ) -> Iterator[tuple[Any, bool, int]]:
-    p, device = ctx.num_processes, comm_device(ctx)
+    p, device = parts, comm_device(ctx)
     items = _global_batches(base_batches, group, drop_last, first_index)
     pad: _Flat | None = None  # the first p rows of the epoch's first global batch
     current = next(items, None)
@@ -295,7 +312,7 @@ def _rows(flat: _Flat) -> int:
 
 
 def _follow(
-    ctx: DistributedContext, slice_fn: SliceFn | None
+    ctx: DistributedContext, slice_fn: SliceFn | None, part: int
 ) -> Iterator[tuple[Any, bool, int]]:
     device = comm_device(ctx)
     while True:
@@ -309,7 +326,7 @@ def _follow(
             broadcast_(ctx, torch.empty(shape, dtype=dtype, device=device))
             for shape, dtype in zip(header.shapes, header.dtypes, strict=True)
         )
-        part = _part(header.spec, tensors, ctx.process_index, header.per_rank, slice_fn)
-        yield part, header.is_last, header.rows
+        rows = _part(header.spec, tensors, part, header.per_rank, slice_fn)
+        yield rows, header.is_last, header.rows
         if header.is_last:
             return

@@ -43,6 +43,7 @@ from funcaccel.loader._stream import length
 from funcaccel.loader._stream import local_batches
 from funcaccel.loader._stream import past_the_end
 from funcaccel.loader._stream import records
+from funcaccel.mesh import ParallelMesh
 
 __all__ = [
     "Batch",
@@ -182,6 +183,7 @@ def shard_loader(
     seed: int = 0,
     non_blocking: bool = False,
     slice_fn: Callable[[Any, slice], Any] | None = None,
+    mesh: ParallelMesh | None = None,
 ) -> ShardedLoader:
     """Return this rank's share of ``dataloader``.
 
@@ -231,6 +233,10 @@ def shard_loader(
         non_blocking: Passed to ``Tensor.to`` when moving batches.
         slice_fn: ``slice_fn(global_batch, rows)`` cuts a rank's part when
             dispatching (default: those rows of every tensor).
+        mesh: A ``ParallelMesh`` (``build_mesh``): shard over its data-parallel
+            ranks only, so that the ``tp`` ranks of one tensor-parallel group
+            read the same batches; every mode and ``total_batch_size`` count
+            ``mesh.dp_size`` ranks. ``None``: every rank is a data-parallel rank.
 
     Returns:
         A ``ShardedLoader``: iterable, with ``len()``, ``total_batch_size``,
@@ -255,6 +261,7 @@ def shard_loader(
         seed=seed,
         non_blocking=non_blocking,
         slice_fn=slice_fn,
+        mesh=mesh,
     )
     return ShardedLoader(setup)
 

@@ -32,6 +32,8 @@ from funcaccel.loader._indices import BaseIndices
 from funcaccel.loader._reading import CountedStream
 from funcaccel.loader._reading import IndexSlot
 from funcaccel.loader._reading import TaggedCollate
+from funcaccel.mesh import ParallelMesh
+from funcaccel.mesh import check_mesh
 from funcaccel.rng import check_rng_types
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
@@ -66,6 +68,9 @@ class Setup:
     """Everything a ``ShardedLoader`` decided at construction."""
 
     ctx: DistributedContext
+    # ctx as the data-parallel ranks see it (ctx itself without a mesh): what
+    # decides which batches a rank reads; collectives run on ctx
+    view: DistributedContext
     dataloader: DataLoader[Any]
     split_batches: bool
     put_on_device: bool
@@ -248,10 +253,13 @@ def build_setup(
     seed: int,
     non_blocking: bool,
     slice_fn: SliceFn | None,
+    mesh: ParallelMesh | None = None,
 ) -> Setup:
     """Check ``shard_loader``'s arguments and decide how this rank loads.
 
-    The rules: docs/loader.md#semantics-building-a-sharded-loader.
+    The rules: docs/loader.md#semantics-building-a-sharded-loader. With a ``mesh``
+    the sharding arithmetic runs on its data-parallel view of ``ctx``
+    (``mesh.dp_size`` ranks), so a tensor-parallel group reads the same batches.
     """
     flags = {
         "split_batches": split_batches,
@@ -260,6 +268,7 @@ def build_setup(
         "non_blocking": non_blocking,
     }
     _check_types(ctx, dataloader, flags, dispatch_batches, seed, slice_fn)
+    view = ctx if mesh is None else check_mesh(ctx, mesh, _WHERE).dp_view(ctx)
     rngs = _check_rng_types(rng_types, ctx)
     _check_no_generator(dataloader)
     dataset: Any = dataloader.dataset
@@ -274,13 +283,15 @@ def build_setup(
     wanted = (
         put_on_device and iterable if dispatch_batches is None else dispatch_batches
     )
-    p, rank = ctx.num_processes, ctx.process_index
+    p, rank = view.num_processes, view.process_index
+    # Only global rank 0 reads when dispatching (its data-parallel rank is 0).
+    reads = not (wanted and p > 1) or ctx.process_index == 0
     dispatch = wanted and p > 1
     bs = _original_batch_size(dataloader)
     batched = dataloader.batch_sampler is not None
     yields_batches = _batches_of(dataloader) is not None
     _check_batching(
-        ctx,
+        view,
         batch_size=bs,
         split_batches=split_batches,
         dispatch=dispatch,
@@ -300,7 +311,7 @@ def build_setup(
         counted = not (
             dispatch or drop_last or total is None or isinstance(dataset, Sized)
         )
-        if not dispatch or rank == 0:
+        if reads:
             stream: Any = dataset
             size = bs
             shard: dict[str, Any] | None = None
@@ -331,7 +342,7 @@ def build_setup(
                 split_batches=split_batches,
                 even_batches=even_batches,
             )
-        if not dispatch or rank == 0:
+        if reads:
             slot = IndexSlot()
             if batched:
                 inner = DataLoader(dataset, batch_sampler=slot, **kept)
@@ -339,6 +350,7 @@ def build_setup(
                 inner = DataLoader(dataset, batch_size=None, sampler=slot, **kept)
     return Setup(
         ctx=ctx,
+        view=view,
         dataloader=dataloader,
         split_batches=split_batches,
         put_on_device=put_on_device,

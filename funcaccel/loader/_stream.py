@@ -52,7 +52,7 @@ def length(setup: Setup, rank: int | None = None) -> int:
 
     The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
     """
-    ctx, bs, drop_last = setup.ctx, setup.batch_size, setup.drop_last
+    ctx, bs, drop_last = setup.view, setup.batch_size, setup.drop_last
     rank = ctx.process_index if rank is None else rank
     p = ctx.num_processes
     if setup.base is not None:
@@ -172,7 +172,7 @@ def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
         batches = iter(setup.inner)
         _skip_exactly(setup, batches, skip, epoch)
         return batches
-    ctx, stream = setup.ctx, setup.base.for_epoch(epoch)
+    ctx, stream = setup.view, setup.base.for_epoch(epoch)
     indices: Iterator[Any]
     if ctx.num_processes == 1:
         indices = skip_items(stream, skip)
@@ -300,9 +300,9 @@ def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
 
 
 def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
-    ctx = setup.ctx
+    ctx, view = setup.ctx, setup.view
     _start_epoch(setup, epoch)
-    group = 1 if setup.split_batches else ctx.num_processes
+    group = 1 if setup.split_batches else view.num_processes
     base: Iterator[Any] | None = None
     pad_source: Callable[[], list[Any]] | None = None
     if ctx.process_index == 0:
@@ -321,6 +321,8 @@ def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
             drop_last=setup.drop_last,
             first_index=skip,
             slice_fn=setup.slice_fn,
+            shares=view.num_processes,
+            share=view.process_index,
         )
     ):
         data = send_tree(data, ctx.device, setup.non_blocking)

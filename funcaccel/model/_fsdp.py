@@ -26,6 +26,7 @@ from funcaccel.context import DistributedContext
 
 if TYPE_CHECKING:
     # Imported for real only when sharding: the package takes seconds to import.
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
@@ -107,9 +108,12 @@ class FSDPOptions:
 
 
 def check_fsdp_options(
-    ctx: DistributedContext, options: FSDPOptions, caller: str
+    ctx: DistributedContext,
+    options: FSDPOptions,
+    caller: str,
+    shard_size: int | None = None,
 ) -> None:
-    """Check that ``options`` fit a world of ``ctx.num_processes`` ranks.
+    """Check that ``options`` fit shards over ``shard_size`` ranks (default: the world).
 
     Raises:
         ValueError: an integer ``reshard_after_forward`` that does not divide the
@@ -128,11 +132,12 @@ def check_fsdp_options(
     reshard = options.reshard_after_forward
     if isinstance(reshard, bool) or reshard is None:
         return
-    world = ctx.num_processes
+    world = ctx.num_processes if shard_size is None else shard_size
+    what = "the world size" if shard_size is None else "the mesh's dp_shard"
     if reshard > world or world % reshard != 0:
         msg = (
             f"{caller}: FSDPOptions.reshard_after_forward={reshard} must divide "
-            f"the world size ({world}); use a divisor of {world}, or True/False."
+            f"{what} ({world}); use a divisor of {world}, or True/False."
         )
         raise ValueError(msg)
 
@@ -142,12 +147,14 @@ def shard_model(
     model: nn.Module,
     options: FSDPOptions,
     optimizers: Sequence[torch.optim.Optimizer] = (),
+    device_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` in place to ``model``'s chosen submodules, then to it.
 
-    The mesh is one dimension over the default group, on ``ctx.device.type`` (not
-    torch's default, which would pick CUDA whenever it exists). Submodules are
-    visited in reverse pre-order, so a nested match is sharded before its parent.
+    The mesh is ``device_mesh`` (two dimensions: replicate, shard, for HSDP) or
+    one dimension over the default group, on ``ctx.device.type`` (not torch's
+    default, which would pick CUDA whenever it exists). Submodules are visited in
+    reverse pre-order, so a nested match is sharded before its parent.
     ``fully_shard`` replaces every parameter with a new sharded (``DTensor``)
     one; each of ``optimizers`` is then pointed, in place, at the new parameters
     (see ``rebind_optimizers_``).
@@ -160,7 +167,11 @@ def shard_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.num_processes,))
+    mesh = (
+        init_device_mesh(ctx.device.type, (ctx.num_processes,))
+        if device_mesh is None
+        else device_mesh
+    )
     policy = MixedPrecisionPolicy() if options.mp_policy is None else options.mp_policy
     classes = tuple(options.shard_modules)
     if classes:
@@ -254,15 +265,18 @@ def check_optimizers_hold(
 ) -> None:
     """Raise unless every optimizer holds a parameter of one of ``models``.
 
-    Only FSDP2 models replace their parameters, so nothing is checked when none
-    of ``models`` is one. In the usual case the first parameter of each optimizer
+    Only FSDP2 and tensor parallelism replace parameters (with ``DTensor`` ones),
+    so nothing is checked when no model is FSDP2 and none holds a ``DTensor``. In the usual case the first parameter of each optimizer
     is among the first parameters of the model, and the check stops there.
 
     Raises:
         ValueError: an optimizer that holds none of the models' parameters (it was
             built before ``wrap_model`` sharded them).
     """
-    if not any(is_fsdp_module(model) for model in models):
+    if not any(
+        is_fsdp_module(model) or any(is_dtensor(p) for p in model.parameters())
+        for model in models
+    ):
         return
     for index, optimizer in enumerate(optimizers):
         groups = optimizer.param_groups
@@ -275,7 +289,8 @@ def check_optimizers_hold(
         name = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
         msg = (
             f"{caller}: {name} holds none of the model's parameters: "
-            "wrap_model(..., fsdp=FSDPOptions(...)) replaced them with sharded "
+            "wrap_model(..., fsdp=FSDPOptions(...)) or a tp_plan replaced them with "
+            "sharded "
             "parameters, so an optimizer built before it would never change the "
             "model. Pass it to wrap_model(ctx, model, fsdp=..., optimizers="
             "optimizer), which re-points it at the new parameters, or build the "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import Final
@@ -41,9 +42,13 @@ from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
+from funcaccel.mesh import ParallelMesh
+from funcaccel.mesh import check_mesh
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
 from funcaccel.model._fsdp import shard_model
+from funcaccel.model._mesh import check_mesh_wrapping
+from funcaccel.model._mesh import wrap_on_mesh
 
 __all__ = [
     "FSDPOptions",
@@ -55,7 +60,6 @@ __all__ = [
 # (state, GradBucket) -> future of the reduced bucket; mypy cannot see
 # torch.distributed.GradBucket, so the bucket is typed Any.
 _CommHook: TypeAlias = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
-
 
 
 def _hook(hook_type: DDPCommunicationHookType) -> _CommHook:
@@ -72,7 +76,9 @@ def _hook(hook_type: DDPCommunicationHookType) -> _CommHook:
     return hooks[hook_type]
 
 
-def _wrapper(wrapper_type: DDPCommunicationHookType) -> Callable[[_CommHook], _CommHook]:
+def _wrapper(
+    wrapper_type: DDPCommunicationHookType,
+) -> Callable[[_CommHook], _CommHook]:
     """Return torch's compression wrapper for ``wrapper_type`` (imported on first use)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -109,6 +115,8 @@ def wrap_model(
     *,
     fsdp: FSDPOptions | None = None,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    mesh: ParallelMesh | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``ctx.device`` in place (as ``.to`` does), then wrap it for ``ctx``.
 
@@ -138,6 +146,18 @@ def wrap_model(
     two local gradients all-reduced in float16. With ``fsdp=FSDPOptions()`` rank 0
     keeps the first half of each parameter's rows and rank 1 the second half.
 
+    On a ``mesh`` (``build_mesh``), ``tp_plan`` (module name -> torch parallel
+    style) is applied first with ``parallelize_module(model, mesh["tp"],
+    tp_plan)``; then FSDP2 shards over ``mesh["dp_shard"]`` (HSDP over
+    ``["dp_replicate", "dp_shard"]`` when ``dp_replicate > 1``), DDP replicates
+    when only ``dp_replicate > 1`` and ``tp == 1``, and FSDP2 with one-rank shards
+    replicates a tensor-parallel model over ``dp_replicate`` (DDP cannot hold
+    ``DTensor`` parameters). With 4 ranks, ``build_mesh(ctx, dp_shard=2, tp=2)``
+    and ``tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()}``: rank 1
+    holds rows 4-5 of ``up.weight`` (8 rows: tensor-parallel half 1, FSDP shard
+    0), rank 2 rows 2-3 (half 0, shard 1), and ranks 0/1 and 2/3 see the same
+    batches (docs/mesh.md).
+
     Args:
         ctx: the distributed context.
         model: the user's module; changed in place (moved, and sharded with FSDP).
@@ -145,6 +165,11 @@ def wrap_model(
         fsdp: FSDP2 options; ``None`` selects DDP.
         optimizers: optimizers already built on ``model``'s parameters; changed
             in place when FSDP2 replaces the parameters.
+        mesh: the ``ParallelMesh`` of ``ctx``; ``None``: every rank is a
+            data-parallel rank.
+        tp_plan: module names (``fnmatch`` patterns allowed) to parallel styles
+            (``ColwiseParallel()``, ``RowwiseParallel()``, ...); required exactly
+            when ``mesh.tp > 1``.
 
     Returns:
         ``model``, or a ``DistributedDataParallel`` wrapping it.
@@ -154,8 +179,12 @@ def wrap_model(
         ValueError: ``model`` is already wrapped; ``fsdp`` together with
             ``ddp_kwargs``; a bfloat16 hook or wrapper on a device whose backend
             cannot all-reduce bfloat16 (CPU/gloo); FSDP options that do not fit
-            ``ctx``.
-        RuntimeError: ``ctx.num_processes > 1`` without a matching default group.
+            ``ctx``; a mesh of another rank or world; ``tp_plan`` without
+            ``mesh.tp > 1`` (or missing with it), or naming no submodule;
+            ``dp_shard > 1`` without ``fsdp``; ``fsdp`` on a mesh with one
+            data-parallel rank; ``ddp_kwargs`` with ``tp > 1``.
+        RuntimeError: ``ctx.num_processes > 1`` without a matching default group,
+            or a mesh without a ``DeviceMesh``.
     """
     _check_arguments(ctx, model, ddp_kwargs, fsdp)
     opts: tuple[torch.optim.Optimizer, ...] = ()
@@ -164,15 +193,30 @@ def wrap_model(
             optimizers, torch.optim.Optimizer, caller="wrap_model", name="optimizers"
         )
     kwargs = DistributedDataParallelKwargs() if ddp_kwargs is None else ddp_kwargs
+    if mesh is not None:
+        check_mesh(ctx, mesh, "wrap_model")
+        check_mesh_wrapping(
+            ctx, model, mesh, tp_plan, fsdp, kwargs != DistributedDataParallelKwargs()
+        )
+    elif tp_plan is not None:
+        msg = (
+            "wrap_model: tp_plan needs a mesh with tp > 1; pass "
+            "mesh=build_mesh(ctx, tp=...) as well, or tp_plan=None."
+        )
+        raise ValueError(msg)
     if ctx.num_processes > 1:
         if fsdp is None:
             _check_hook_device(ctx, kwargs)
-        else:
+        elif mesh is None:
             check_fsdp_options(ctx, fsdp, "wrap_model")
         require_process_group(ctx, "wrap_model")
     model.to(ctx.device)
     if ctx.num_processes == 1:
         return model
+    if mesh is not None:
+        wrapped = wrap_on_mesh(ctx, model, mesh, tp_plan, fsdp, opts)
+        if wrapped is not None:
+            return wrapped
     if not any(param.requires_grad for param in model.parameters()):
         return model
     if fsdp is not None:

@@ -1,0 +1,279 @@
+"""N-D parallelism layout: ``ParallelMesh``, a frozen value, and ``build_mesh``.
+
+A mesh lays the world's ranks out in three named dimensions, in this order:
+``"dp_replicate"`` (copies of the model, gradients all-reduced), ``"dp_shard"``
+(FSDP2 shards) and ``"tp"`` (tensor-parallel groups, which see the same batches).
+Global rank ``g`` sits at ``(r, s, t)`` with ``g = (r * dp_shard + s) * tp + t``
+(row-major, as ``torch.distributed.device_mesh.init_device_mesh`` numbers them);
+its data-parallel rank is ``r * dp_shard + s`` among ``dp_replicate * dp_shard``.
+
+With 4 ranks as ``dp_shard=2, tp=2``: ranks 0 and 1 form tensor-parallel group
+``dp=0``, ranks 2 and 3 group ``dp=1``; ranks 0 and 2 hold the two FSDP shards of
+tensor-parallel slice ``t=0``.
+
+>>> [ParallelMesh.for_rank(g, dp_shard=2, tp=2).coordinates for g in range(4)]
+[(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+>>> [ParallelMesh.for_rank(g, dp_shard=2, tp=2).dp_rank for g in range(4)]
+[0, 0, 1, 1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+from typing import Final
+
+import torch.distributed as dist
+
+from funcaccel._checks import is_int
+from funcaccel._checks import summary
+from funcaccel.context import DistributedContext
+from funcaccel.context import DistributedType
+from funcaccel.context import check_context
+from funcaccel.context import require_process_group
+
+if TYPE_CHECKING:
+    # Imported for real only where a group exists: the module imports slowly.
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MESH_DIM_NAMES", "ParallelMesh", "build_mesh", "check_mesh"]
+
+MESH_DIM_NAMES: Final = ("dp_replicate", "dp_shard", "tp")
+"""The dimension names of every mesh, outermost first."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelMesh:
+    """Where this rank sits in a ``dp_replicate x dp_shard x tp`` layout; never changed.
+
+    Build one with ``build_mesh(ctx, ...)`` (which also builds the torch
+    ``DeviceMesh`` when a process group exists) or, for any rank without a
+    group, with ``ParallelMesh.for_rank``. Two meshes compare equal when their
+    sizes and rank agree, whatever their ``device_mesh``.
+
+    Args:
+        dp_replicate: replicas of the model (>= 1).
+        dp_shard: FSDP2 shards per replica (>= 1).
+        tp: ranks per tensor-parallel group (>= 1).
+        rank: this process's global rank, in ``[0, dp_replicate * dp_shard * tp)``.
+        device_mesh: the torch ``DeviceMesh`` with dimensions ``MESH_DIM_NAMES``,
+            or ``None`` for a hand-built value (no process group).
+
+    Raises:
+        TypeError: a size or the rank is not an int.
+        ValueError: a size below 1, or a rank outside the mesh.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    rank: int = 0
+    device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        owner = "ParallelMesh"
+        for name in (*MESH_DIM_NAMES, "rank"):
+            value = getattr(self, name)
+            if not is_int(value):
+                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
+                raise TypeError(msg)
+        for name in MESH_DIM_NAMES:
+            if getattr(self, name) < 1:
+                msg = f"{owner}: {name} must be >= 1; got {getattr(self, name)}."
+                raise ValueError(msg)
+        if not 0 <= self.rank < self.world_size:
+            msg = (
+                f"{owner}: rank ({self.rank}) must be in [0, {self.world_size}) for a "
+                f"mesh of shape {self.shape}; pass this process's global rank."
+            )
+            raise ValueError(msg)
+
+    @classmethod
+    def for_rank(
+        cls, rank: int, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1
+    ) -> ParallelMesh:
+        """Return rank ``rank``'s view of a mesh of these sizes, with no ``DeviceMesh``.
+
+        >>> ParallelMesh.for_rank(3, dp_replicate=2, dp_shard=2).coordinates
+        (1, 1, 0)
+        """
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, rank=rank)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(dp_replicate, dp_shard, tp)``."""
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def dim_names(self) -> tuple[str, str, str]:
+        """``("dp_replicate", "dp_shard", "tp")``."""
+        return MESH_DIM_NAMES
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the mesh lays out."""
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def coordinates(self) -> tuple[int, int, int]:
+        """This rank's ``(dp_replicate, dp_shard, tp)`` coordinates."""
+        dp, t = divmod(self.rank, self.tp)
+        r, s = divmod(dp, self.dp_shard)
+        return (r, s, t)
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel ranks: ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: ``r * dp_shard + s``, shared by its tp group."""
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group."""
+        return self.rank % self.tp
+
+    def dp_view(self, ctx: DistributedContext) -> DistributedContext:
+        """Return ``ctx`` as the data-parallel world sees it: ``dp_size`` ranks, this one ``dp_rank``.
+
+        Only for arithmetic (which batches a rank reads): the view has no process
+        group of its own; collectives run on ``ctx``.
+
+        >>> from funcaccel.context import DistributedType
+        >>> ctx = DistributedContext(
+        ...     num_processes=4, process_index=3, distributed_type=DistributedType.MULTI_CPU
+        ... )
+        >>> view = ParallelMesh.for_rank(3, dp_shard=2, tp=2).dp_view(ctx)
+        >>> view.num_processes, view.process_index
+        (2, 1)
+        """
+        if self.tp == 1:
+            return ctx
+        several = self.dp_size > 1
+        return dataclasses.replace(
+            ctx,
+            num_processes=self.dp_size,
+            process_index=self.dp_rank,
+            distributed_type=ctx.distributed_type if several else DistributedType.NO,
+            backend=ctx.backend if several else None,
+        )
+
+
+def _resolve(sizes: dict[str, int], world: int) -> dict[str, int]:
+    for name, value in sizes.items():
+        if not is_int(value):
+            msg = f"build_mesh: {name} must be an int; got {summary(value)} ({type(value).__name__})."
+            raise TypeError(msg)
+        if value < 1 and value != -1:
+            msg = f"build_mesh: {name} must be >= 1, or -1 for the rest; got {value}."
+            raise ValueError(msg)
+    rest = [name for name, value in sizes.items() if value == -1]
+    if len(rest) > 1:
+        msg = (
+            f"build_mesh: at most one size may be -1 (the rest); got {sizes}. Give "
+            "all but one of them."
+        )
+        raise ValueError(msg)
+    known = 1
+    for value in sizes.values():
+        known *= max(value, 1)
+    if rest:
+        if world % known:
+            msg = (
+                f"build_mesh: the world size ({world}) is not a multiple of "
+                f"{known}, the product of {sizes} without {rest[0]}=-1; use sizes "
+                f"whose product divides {world}."
+            )
+            raise ValueError(msg)
+        sizes = {**sizes, rest[0]: world // known}
+    product = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
+    if product != world:
+        msg = (
+            f"build_mesh: dp_replicate * dp_shard * tp must equal the world size "
+            f"({world}); got {sizes} (product {product}). Change the sizes, or "
+            "leave one of them -1 for the rest."
+        )
+        raise ValueError(msg)
+    return sizes
+
+
+def build_mesh(
+    ctx: DistributedContext, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+) -> ParallelMesh:
+    """Lay ``ctx``'s world out as ``dp_replicate x dp_shard x tp``; ``-1`` is the rest.
+
+    When ``ctx`` runs in a default process group (several processes) this is a
+    collective: every rank calls it with the same sizes, and the result's
+    ``device_mesh`` is ``init_device_mesh(ctx.device.type, shape,
+    mesh_dim_names=MESH_DIM_NAMES)``. Without a group (one process, or a
+    hand-built context such as ``rank_ctx(4, 2)``) ``device_mesh`` is ``None``
+    and the value still gives the rank's coordinates.
+
+    With 4 ranks, ``build_mesh(ctx, dp_replicate=2)`` is a 2x2 HSDP mesh: rank 3
+    sits at ``(1, 1, 0)``, data-parallel rank 3 of 4.
+
+    >>> from funcaccel.context import DistributedType
+    >>> ctx = DistributedContext(
+    ...     num_processes=4, process_index=2, distributed_type=DistributedType.MULTI_CPU
+    ... )
+    >>> mesh = build_mesh(ctx, tp=2)
+    >>> mesh.shape, mesh.coordinates, mesh.dp_rank, mesh.device_mesh is None
+    ((1, 2, 2), (0, 1, 0), 1, True)
+
+    Args:
+        ctx: this process's context.
+        dp_replicate: replicas (gradients all-reduced between them).
+        dp_shard: FSDP2 shards per replica.
+        tp: ranks per tensor-parallel group.
+
+    Returns:
+        The mesh, for ``ctx.process_index``.
+
+    Raises:
+        TypeError: ``ctx`` or a size of the wrong type.
+        ValueError: a size below 1 (other than -1), more than one -1, or sizes
+            whose product is not ``ctx.num_processes``.
+        RuntimeError: an initialised default group that does not match ``ctx``.
+    """
+    check_context(ctx, "build_mesh")
+    sizes = _resolve(
+        {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp},
+        ctx.num_processes,
+    )
+    device_mesh = None
+    if ctx.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        require_process_group(ctx, "build_mesh")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"])
+        device_mesh = init_device_mesh(
+            ctx.device.type, shape, mesh_dim_names=MESH_DIM_NAMES
+        )
+    return ParallelMesh(**sizes, rank=ctx.process_index, device_mesh=device_mesh)
+
+
+def check_mesh(ctx: DistributedContext, mesh: object, caller: str) -> ParallelMesh:
+    """Return ``mesh`` after checking it is a ``ParallelMesh`` of ``ctx``'s world and rank.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``ParallelMesh``.
+        ValueError: its world size or rank differ from ``ctx``'s.
+    """
+    if not isinstance(mesh, ParallelMesh):
+        msg = (
+            f"{caller}: mesh must be a ParallelMesh (from build_mesh) or None; got "
+            f"{summary(mesh)} ({type(mesh).__name__})."
+        )
+        raise TypeError(msg)
+    if (mesh.world_size, mesh.rank) != (ctx.num_processes, ctx.process_index):
+        msg = (
+            f"{caller}: mesh of shape {mesh.shape} is for rank {mesh.rank} of "
+            f"{mesh.world_size}, but ctx is rank {ctx.process_index} of "
+            f"{ctx.num_processes}; build the mesh with build_mesh(ctx, ...) from this "
+            "context."
+        )
+        raise ValueError(msg)
+    return mesh
