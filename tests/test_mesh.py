@@ -380,9 +380,9 @@ def _tp_optimizer_built_first(ctx: DistributedContext) -> dict[str, Any]:
     wrapped = wrap_model(ctx, model, mesh=mesh, tp_plan=plan, optimizers=opt)
     _train(ctx, wrapped, GLOBAL_BATCH, mesh, opt)
     params = {k: _full(v).detach() for k, v in wrapped.state_dict().items()}
-    forgotten = _mlp()
-    stale = torch.optim.SGD(forgotten.parameters(), lr=0.5)
-    forgotten = wrap_model(ctx, forgotten, mesh=mesh, tp_plan=plan)
+    unwrapped = _mlp()
+    stale = torch.optim.SGD(unwrapped.parameters(), lr=0.5)
+    forgotten = wrap_model(ctx, unwrapped, mesh=mesh, tp_plan=plan)
     try:
         _train(ctx, forgotten, GLOBAL_BATCH, mesh, stale)
     except ValueError as error:
