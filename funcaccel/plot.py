@@ -32,6 +32,7 @@ Series = dict[str, list[tuple[float, float]]]
 _SUFFIXES: Final = (".jsonl", ".csv")
 _NOT_METRICS: Final = frozenset({"step", "time", "config"})
 _COLUMNS: Final = 3
+_FEW: Final = 20
 _INSTALL: Final = "pip install 'funcaccel[plot]'"
 
 
@@ -162,7 +163,7 @@ def plot_metrics(
 
     One panel per metric (``loss``, ``lr``, ``test_accuracy``...), the step on
     the x axis, one line per metrics file holding that metric (with a legend when
-    there are several); a metric with a single point is drawn as a dot.
+    there are several); a metric with 20 points or fewer is drawn with dots.
 
     Args:
         run_dir: the directory a ``JSONLTracker`` / ``CSVTracker`` wrote its
@@ -221,8 +222,9 @@ def plot_metrics(
             if not points:
                 continue
             steps, values = zip(*points, strict=True)
-            marker = "o" if len(points) == 1 else None
-            ax.plot(steps, values, marker=marker, label=path.name)
+            # A few points (one per epoch, a final score) are drawn as dots too.
+            marker = "o" if len(points) <= _FEW else None
+            ax.plot(steps, values, marker=marker, markersize=4, label=path.name)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
