@@ -258,7 +258,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
                 if not grad.sync_gradients:
                     continue  # the window is still open
                 step = grad.optimizer_steps
-                lr = scheduler.get_last_lr()[0]
+                lr = float(scheduler.get_last_lr()[0])
                 fa.log_metrics(
                     ctx,
                     trackers,
@@ -284,7 +284,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
             if stopped:
                 break
             epoch_loss, rate = meter.summary(ctx)
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])
             fa.print_main(
                 ctx,
                 f"epoch {epoch + 1}/{args.epochs}: loss {epoch_loss:.4f}, "

@@ -75,12 +75,12 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from funcaccel.rng import sync_rng_states
 from funcaccel.process import get_logger
 from funcaccel.process import local_main_process_first
 from funcaccel.process import main_process_first
 from funcaccel.process import print_main
 from funcaccel.progress import progress
+from funcaccel.rng import sync_rng_states
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
 from funcaccel.seeding import set_seed

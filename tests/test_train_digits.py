@@ -30,9 +30,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EPOCH_LINE = r"^epoch (\d+)/(\d+): loss (\d+\.\d{4}), lr (\S+), (\d+) samples/s$"
 
 
-def _finished(
-    args: list[str], *, processes: int = 1, timeout: float = 240
-) -> Finished:
+def _finished(args: list[str], *, processes: int = 1, timeout: float = 240) -> Finished:
     done = run_script(
         SCRIPT,
         *args,
