@@ -45,6 +45,10 @@ def _assert_png(path: Path) -> None:
     height, width, channels = image.shape
     assert channels in (3, 4) and width > height > 200
     assert image[..., :3].min() < 0.5  # something dark was drawn on the white
+    # The curves: pixels of matplotlib's first line colour, C0 (#1f77b4).
+    c0 = [0x1F / 255, 0x77 / 255, 0xB4 / 255]
+    near = abs(image[..., :3] - c0).max(axis=-1) < 0.05
+    assert near.sum() > 100
 
 
 def test_read_metrics_takes_the_numbers_jsonl_tracker_wrote(tmp_path: Path) -> None:
