@@ -32,8 +32,8 @@ from funcaccel import build_grad_scaler
 from funcaccel import clip_grad_norm_
 from funcaccel import close_context
 from funcaccel import iter_batches
-from funcaccel import print_main
 from funcaccel import optimizer_step
+from funcaccel import print_main
 from funcaccel import reduce
 from funcaccel import rescale_grads_
 from funcaccel import set_seed

@@ -6,10 +6,13 @@ Resume after a stop: run the same command again with the same --checkpoint-dir.
 
 Uses every main part of funcaccel: the context from torchrun's environment, a
 sharded shuffled loader with a seed, gradient accumulation, optional bf16 autocast,
-DDP, a scheduler, JSON-lines (and TensorBoard when installed) tracking, optional
-profiling of a few steps, checkpoints with automatic resume, and test metrics
-gathered across ranks without the duplicates that even out the last batch. The last
-line printed is ``param_sha256: <hex>``, a digest of the final parameters, so an
+DDP, a scheduler, a progress bar and one summary line per epoch on the main process,
+JSON-lines (and TensorBoard when installed) tracking into a run directory
+(``runs/digits-<date>-<time>`` unless ``--run-dir`` says otherwise), a loss-curve
+picture drawn from the JSON lines at the end, optional profiling of a few steps,
+checkpoints with automatic resume, and test metrics gathered across ranks without
+the duplicates that even out the last batch. The last line printed is
+``param_sha256: <hex>``, a digest of the final parameters, so an
 interrupted-and-resumed run can be checked against an uninterrupted one.
 """
 
@@ -19,7 +22,8 @@ import argparse
 import contextlib
 import hashlib
 import importlib.util
-from collections.abc import Iterator
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--save-every", type=int, default=20, help="optimizer steps")
     parser.add_argument("--stop-after", type=int, default=None, help="optimizer steps")
-    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument(
+        "--run-dir",
+        "--log-dir",
+        dest="run_dir",
+        type=Path,
+        default=None,
+        help="metrics, TensorBoard files and the loss curve (default: runs/digits-<time>)",
+    )
     parser.add_argument("--profile-dir", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -77,13 +88,69 @@ def param_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def make_trackers(ctx: fa.DistributedContext, log_dir: Path | None) -> list[fa.Tracker]:
-    if log_dir is None:
-        return []
-    trackers: list[fa.Tracker] = [fa.JSONLTracker(log_dir / "metrics.jsonl")]
+def default_run_dir(ctx: fa.DistributedContext) -> Path:
+    """``runs/digits-<date>-<time>`` (a new one), chosen by the main process."""
+    chosen = None
+    if ctx.is_main_process:
+        base = Path("runs") / time.strftime("digits-%Y%m%d-%H%M%S")
+        chosen, n = base, 1
+        while chosen.exists():  # two runs started within the same second
+            chosen, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return Path(fa.broadcast_object(ctx, str(chosen)))
+
+
+def make_trackers(ctx: fa.DistributedContext, run_dir: Path) -> list[fa.Tracker]:
+    trackers: list[fa.Tracker] = [fa.JSONLTracker(run_dir / "metrics.jsonl")]
     if importlib.util.find_spec("tensorboard") is not None:
-        trackers.append(fa.TensorBoardTracker(log_dir / "tensorboard"))
+        trackers.append(fa.TensorBoardTracker(run_dir / "tensorboard"))
     return trackers
+
+
+@dataclass
+class EpochMeter:
+    """This rank's running totals over one epoch, for its summary line."""
+
+    start: float
+    loss_sum: float = 0.0
+    batches: int = 0
+    samples: int = 0
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss_sum += loss.item()
+        self.batches += 1
+        self.samples += samples
+
+    def summary(self, ctx: fa.DistributedContext) -> tuple[float, float]:
+        """``(mean loss, samples per second)`` over every rank: a collective."""
+        totals = torch.tensor(
+            [self.loss_sum, self.batches, self.samples], dtype=torch.float64
+        )
+        loss_sum, batches, samples = fa.reduce(ctx, totals).tolist()
+        seconds = max(time.monotonic() - self.start, 1e-9)
+        return loss_sum / max(batches, 1), samples / seconds
+
+
+def report_run(
+    ctx: fa.DistributedContext, run_dir: Path, checkpoint_dir: Path | None
+) -> None:
+    """Print where the metrics, the picture and the checkpoints went (main only)."""
+    if not ctx.is_main_process:
+        return
+    print(f"metrics written to {run_dir / 'metrics.jsonl'}")
+    if importlib.util.find_spec("tensorboard") is not None:
+        print(f"view with: tensorboard --logdir {run_dir / 'tensorboard'}")
+    else:
+        print("TensorBoard: not installed (pip install 'funcaccel[tensorboard]')")
+    try:
+        picture = fa.plot_metrics(run_dir, title=f"train_digits: {run_dir}")
+    except ImportError as error:
+        print(f"loss curve: not drawn ({error})")
+    else:
+        print(f"loss curve: {picture}")
+    if checkpoint_dir is None:
+        print("checkpoints: none (pass --checkpoint-dir DIR to save and resume)")
+    else:
+        print(f"checkpoints: {checkpoint_dir} (the same command resumes from there)")
 
 
 def profile_ctx(
@@ -115,15 +182,6 @@ def evaluate(
     model.train()
     assert total == len(loader.dataset), (total, len(loader.dataset))
     return correct / total
-
-
-def epochs_from(
-    loader: fa.ShardedLoader, start: fa.LoaderState, epochs: int
-) -> Iterator[fa.Batch]:
-    """Every batch from ``start`` to the end of training, resuming mid-epoch once."""
-    for epoch in range(start.epoch, epochs):
-        state = start if epoch == start.epoch else fa.LoaderState(epoch=epoch)
-        yield from fa.iter_batches(loader, state)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,45 +225,82 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
             start = loaded.loader or start
             fa.print_main(ctx, f"resumed from {latest.name} at {start}")
 
-    trackers = make_trackers(ctx, args.log_dir)
+    run_dir = args.run_dir if args.run_dir is not None else default_run_dir(ctx)
+    trackers = make_trackers(ctx, run_dir)
     fa.store_config(ctx, trackers, {k: str(v) for k, v in vars(args).items()})
+    stopped = False
     with profile_ctx(ctx, args.profile_dir) as profiler:
-        for batch in epochs_from(loader, start, args.epochs):
-            x, y = batch.data
-            loss, grad = fa.accumulate_step(
+        for epoch in range(start.epoch, args.epochs):
+            fresh = fa.LoaderState(epoch=epoch)
+            state = start if epoch == start.epoch else fresh
+            meter = EpochMeter(start=time.monotonic())
+            batches = fa.progress(
                 ctx,
-                grad,
-                model,
-                optimizer,
-                lambda: F.cross_entropy(model(x), y),
-                end_of_dataloader=batch.is_last,
+                fa.iter_batches(loader, state),
+                total=len(loader) if state == fresh else None,
+                desc=f"epoch {epoch + 1}/{args.epochs}",
+                every=max(1, len(loader) // 4),  # without a terminal: 4 lines an epoch
             )
-            fa.maybe_step_scheduler(ctx, scheduler, grad, loader=loader)
-            if profiler is not None:
-                profiler.step()
-            if not grad.sync_gradients:
-                continue  # the window is still open
-            step = grad.optimizer_steps
-            fa.log_metrics(
-                ctx, trackers, {"loss": loss.item(), "epoch": batch.epoch}, step=step
-            )
-            stopping = args.stop_after is not None and step >= args.stop_after
-            if args.checkpoint_dir is not None and (
-                step % args.save_every == 0 or stopping
-            ):
-                fa.save_checkpoint(
+            for batch in batches:
+                x, y = batch.data
+                loss, grad = fa.accumulate_step(
                     ctx,
-                    args.checkpoint_dir,
-                    models=model,
-                    optimizers=optimizer,
-                    schedulers=scheduler,
-                    grad=grad,
-                    loader=batch.state,
-                    keep_last=2,
+                    grad,
+                    model,
+                    optimizer,
+                    lambda: F.cross_entropy(model(x), y),
+                    end_of_dataloader=batch.is_last,
                 )
-            if stopping:
-                fa.print_main(ctx, f"stopped after {step} optimizer steps")
-                return
+                fa.maybe_step_scheduler(ctx, scheduler, grad, loader=loader)
+                meter.add(loss, len(y))
+                if profiler is not None:
+                    profiler.step()
+                if not grad.sync_gradients:
+                    continue  # the window is still open
+                step = grad.optimizer_steps
+                lr = float(scheduler.get_last_lr()[0])
+                fa.log_metrics(
+                    ctx,
+                    trackers,
+                    {"loss": loss.item(), "lr": lr, "epoch": batch.epoch},
+                    step=step,
+                )
+                stopped = args.stop_after is not None and step >= args.stop_after
+                if args.checkpoint_dir is not None and (
+                    step % args.save_every == 0 or stopped
+                ):
+                    fa.save_checkpoint(
+                        ctx,
+                        args.checkpoint_dir,
+                        models=model,
+                        optimizers=optimizer,
+                        schedulers=scheduler,
+                        grad=grad,
+                        loader=batch.state,
+                        keep_last=2,
+                    )
+                if stopped:
+                    break
+            if stopped:
+                break
+            epoch_loss, rate = meter.summary(ctx)
+            lr = float(scheduler.get_last_lr()[0])
+            fa.print_main(
+                ctx,
+                f"epoch {epoch + 1}/{args.epochs}: loss {epoch_loss:.4f}, "
+                f"lr {lr:.2e}, {rate:.0f} samples/s",
+            )
+            fa.log_metrics(
+                ctx,
+                trackers,
+                {"epoch_loss": epoch_loss, "samples_per_s": rate},
+                step=grad.optimizer_steps,
+            )
+    if stopped:
+        fa.finish_trackers(ctx, trackers)
+        fa.print_main(ctx, f"stopped after {grad.optimizer_steps} optimizer steps")
+        report_run(ctx, run_dir, args.checkpoint_dir)
+        return
     accuracy = evaluate(ctx, model, test_loader)
     fa.log_metrics(
         ctx, trackers, {"test_accuracy": accuracy}, step=grad.optimizer_steps
@@ -213,6 +308,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
     fa.finish_trackers(ctx, trackers)
     fa.print_main(ctx, f"optimizer_steps: {grad.optimizer_steps}")
     fa.print_main(ctx, f"test_accuracy: {accuracy:.4f}")
+    report_run(ctx, run_dir, args.checkpoint_dir)
     fa.print_main(ctx, f"param_sha256: {param_digest(model)}")
 
 

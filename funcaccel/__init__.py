@@ -102,6 +102,7 @@ if TYPE_CHECKING:
     from funcaccel.checkpoint import read_checkpoint_meta
     from funcaccel.checkpoint import save_checkpoint
     from funcaccel.envreport import env_report
+    from funcaccel.plot import plot_metrics
     from funcaccel.profiler import build_profiler
     from funcaccel.profiler import profiler_trace_path
     from funcaccel.tracking import ConfigValue
@@ -129,6 +130,7 @@ _LAZY: Final = MappingProxyType(
         "read_checkpoint_meta": "funcaccel.checkpoint",
         "save_checkpoint": "funcaccel.checkpoint",
         "env_report": "funcaccel.envreport",
+        "plot_metrics": "funcaccel.plot",
         "build_profiler": "funcaccel.profiler",
         "profiler_trace_path": "funcaccel.profiler",
         "ConfigValue": "funcaccel.tracking",
@@ -224,6 +226,7 @@ __all__ = [
     "optimizer_step",
     "pad_across_processes",
     "padded_count",
+    "plot_metrics",
     "print_main",
     "profiler_trace_path",
     "progress",

@@ -2,8 +2,9 @@
 
 ``progress(ctx, iterable)`` yields the items of ``iterable`` unchanged on every
 rank. On the main process it also shows progress on stderr: a tqdm bar when tqdm is
-importable, otherwise a plain line every ``every`` items and after the last one.
-Other ranks print nothing, so a run on 8 processes shows one bar, not 8.
+importable and stderr is a terminal, otherwise (a log file, a pipe, no tqdm) a plain
+line every ``every`` items and after the last one. Other ranks print nothing, so a
+run on 8 processes shows one bar, not 8.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def _load_tqdm() -> _BarFactory | None:
         return None
     factory: _BarFactory = module.tqdm
     return factory
+
+
+def _stderr_is_terminal() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty()) if callable(isatty) else False
 
 
 def _bar_items(
@@ -111,8 +117,9 @@ def progress(
     """Yield the items of ``iterable``, showing progress on the main process only.
 
     With 2 ranks, ``for batch in progress(ctx, loader, desc="train")`` shows one
-    bar, from rank 0; rank 1 iterates silently. Nothing is printed before the
-    first item is requested.
+    bar, from rank 0; rank 1 iterates silently. The bar is tqdm's when tqdm is
+    importable and stderr is a terminal; otherwise plain lines. Nothing is printed
+    before the first item is requested.
 
     Args:
         ctx: the distributed context; ``ctx.is_main_process`` decides who shows.
@@ -147,7 +154,8 @@ def progress(
         return iter(iterable)
     if total is None and isinstance(iterable, Sized):
         total = len(iterable)
-    factory = _load_tqdm()
+    # A bar redrawn with carriage returns is noise in a log file: lines there.
+    factory = _load_tqdm() if _stderr_is_terminal() else None
     if factory is not None:
         return _bar_items(factory, iterable, total, desc)
     if every is None:

@@ -25,14 +25,31 @@ def _generate(n: int) -> Iterator[int]:
     yield from range(n)
 
 
+def _terminal(monkeypatch: pytest.MonkeyPatch, is_terminal: bool) -> None:
+    # capsys has replaced sys.stderr by then; its isatty() answers False.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: is_terminal)
+
+
 def test_progress_shows_a_tqdm_bar_on_the_main_process(
-    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("tqdm")
+    _terminal(monkeypatch, True)
     assert list(progress(MAIN, ["a", "b", "c"], desc="train")) == ["a", "b", "c"]
     captured = capsys.readouterr()
     assert captured.out == ""
     assert re.search(r"train: 100%.*3/3", captured.err)
+
+
+def test_progress_prints_plain_lines_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # With tqdm importable or not: a log file or pipe gets lines, not redraws.
+    assert list(progress(MAIN, range(4), desc="log", every=2)) == [0, 1, 2, 3]
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    counts = re.findall(r"^log: (\d+)/4 \(\d+%\) in \d+\.\ds$", err, re.M)
+    assert counts == ["2", "4"]
 
 
 def test_progress_prints_plain_lines_without_tqdm(
