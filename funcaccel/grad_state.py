@@ -247,9 +247,8 @@ def check_num_items(num_items: object, caller: str) -> int:
                 "(labels != -100).sum()."
             )
             raise ValueError(msg)
-        if num_items.dtype == torch.bool or num_items.is_floating_point() or (
-            num_items.is_complex()
-        ):
+        inexact = num_items.is_floating_point() or num_items.is_complex()
+        if inexact or num_items.dtype == torch.bool:
             msg = (
                 f"{caller}: num_items must be an int or a 0-dim integer tensor; got "
                 f"{summary(num_items)}. Count items with an integer dtype, e.g. "
