@@ -435,7 +435,7 @@ def _token_weighted_step(
     synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if p > 1:
         require_process_group(ctx, caller)
-        if synced:
+        if grad.micro_step == 0:  # once per window, before anything accumulates
             _require_averaged_grads(ctx, models)
     # Backward of the summed loss itself (k=1): nothing is divided until the
     # window's total is known.

@@ -190,8 +190,11 @@ def _train(
             n = int((y != IGNORE).sum())
             before = counter.calls
             summed: list[torch.Tensor] = []
+            ddp_sync: list[bool] = []
 
             def loss_fn() -> torch.Tensor:
+                if isinstance(model, DistributedDataParallel):
+                    ddp_sync.append(model.require_backward_grad_sync)
                 summed.append(_summed_loss(model, x, y))
                 return summed[-1]
 
@@ -206,6 +209,8 @@ def _train(
                     "window_items": grad.window_items,
                     "skipped": grad.step_was_skipped,
                     "all_reduces": counter.calls - before,
+                    # DDP's gradient all-reduce runs in this micro-step's backward
+                    "ddp_sync": ddp_sync[0] if ddp_sync else None,
                     # the micro-batch's mean per item; its summed loss for n == 0
                     "loss_ok": torch.equal(loss, summed[0].detach() / max(n, 1)),
                 }
@@ -227,17 +232,19 @@ def _wrapped(wrap: str) -> nn.Module:
     return net
 
 
-def _plain_module_refusal(ctx: DistributedContext) -> str:
+def _plain_module_refusal(ctx: DistributedContext) -> tuple[str, bool]:
+    """The error for an unwrapped model, and whether it came before any backward."""
     net = _net()
     opt = _sgd(net.parameters())
     x, y = _micro(_corpus(), 0)
     try:
         accumulate_step(
-            ctx, GradState(), net, opt, lambda: _summed_loss(net, x, y), num_items=1
-        )
+            ctx, GradState(accumulation_steps=2), net, opt,
+            lambda: _summed_loss(net, x, y), num_items=1,
+        )  # fmt: skip
     except ValueError as err:
-        return str(err)
-    return "no error"
+        return str(err), all(q.grad is None for q in net.parameters())
+    return "no error", False
 
 
 def _scenarios(ctx: DistributedContext, names: list[str]) -> dict[str, Any]:
@@ -271,7 +278,14 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
     return run_ranks(_scenarios, 4, tmp_path_factory.mktemp("num_items_4"), FOUR)
 
 
-def _check_run(result: dict[str, Any], p: int, max_grad_norm: float | None) -> None:
+def _check_run(
+    result: dict[str, Any],
+    p: int,
+    max_grad_norm: float | None,
+    *,
+    ddp: bool = False,
+    each_batch: bool = False,
+) -> None:
     want, stepped = _reference(_corpus(), max_grad_norm=max_grad_norm)
     _close(result["params"], want)
     trace = result["trace"]
@@ -285,6 +299,10 @@ def _check_run(result: dict[str, Any], p: int, max_grad_norm: float | None) -> N
         int(row["synced"] and p > 1) for row in trace
     ]
     assert all(row["loss_ok"] for row in trace)
+    if ddp:
+        assert [row["ddp_sync"] for row in trace] == [
+            row["synced"] or each_batch for row in trace
+        ]
 
 
 # --- one process, k=4, against the reference -----------------------------------------
@@ -659,7 +677,13 @@ def test_two_processes_k2_equal_the_reference(
     two_ranks: list[dict[str, Any]], name: str
 ) -> None:
     for rank in two_ranks:
-        _check_run(rank[name], 2, 0.3 if name.endswith("clip") else None)
+        _check_run(
+            rank[name],
+            2,
+            0.3 if name.endswith("clip") else None,
+            ddp=name.startswith("ddp"),
+            each_batch=name == "ddp_each_batch",
+        )
 
 
 @pytest.mark.distributed
@@ -667,7 +691,9 @@ def test_two_processes_refuse_a_model_no_ddp_or_fsdp_averages(
     two_ranks: list[dict[str, Any]],
 ) -> None:
     for rank in two_ranks:
-        assert rank["plain_refused"].startswith(
+        message, before_any_backward = rank["plain_refused"]
+        assert before_any_backward  # refused at the window's first micro-step
+        assert message.startswith(
             "accumulate_step: num_items= with 2 processes needs every trained model's "
             "gradients averaged over the ranks, but model 0 is a plain Sequential"
         )
@@ -679,4 +705,4 @@ def test_four_processes_k1_equal_the_reference(
     four_ranks: list[dict[str, Any]], name: str
 ) -> None:
     for rank in four_ranks:
-        _check_run(rank[name], 4, None)
+        _check_run(rank[name], 4, None, ddp=name == "ddp")
