@@ -8,7 +8,8 @@ window included. The pieces it is made of are public for custom loops:
 ``no_sync`` / FSDP2 gradient-sync switch), ``window_grad_factor`` and
 ``rescale_grads_`` (the ``k / m`` correction of a short window), ``advance_grad_state``
 (the next state), plus ``clip_grad_norm_`` and ``optimizer_step`` from
-``funcaccel.mixed_precision``. ``GradState`` and the pure rules live in
+``funcaccel.mixed_precision``. With ``num_items=`` the step is token-weighted
+instead: summed losses, divided by the window's item count over all ranks. ``GradState`` and the pure rules live in
 ``funcaccel.grad_state`` and are re-exported here.
 
 >>> grad = GradState(accumulation_steps=2)
@@ -36,13 +37,18 @@ from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
 from funcaccel._checks import summary
+from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
+from funcaccel.collectives import comm_device
+from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
 from funcaccel.grad_state import advance_grad_state
 from funcaccel.grad_state import check_grad_state
+from funcaccel.grad_state import check_num_items
+from funcaccel.grad_state import check_window_kind
 from funcaccel.grad_state import next_grad_state
 from funcaccel.grad_state import should_skip_grad_sync
 from funcaccel.grad_state import should_sync
@@ -151,12 +157,14 @@ def _check_step_args(
     scaler: object,
     max_grad_norm: object,
     autocast_kwargs: object,
+    num_items: object,
 ) -> None:
     caller = "accumulate_step"
     if not isinstance(ctx, DistributedContext):
         check_context(ctx, caller)
     if not isinstance(grad, GradState):
         check_grad_state(grad, caller)
+    check_window_kind(grad, num_items is not None, caller)
     if not callable(loss_fn):
         msg = (
             f"{caller}: loss_fn must be a callable taking no argument and returning "
@@ -246,6 +254,7 @@ def accumulate_step(
     scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
     autocast_kwargs: AutocastKwargs | None = None,
+    num_items: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GradState]:
     """Run one micro-batch and, when its window closes, step the optimizer(s).
 
@@ -271,6 +280,20 @@ def accumulate_step(
     after micro-step 1 rank 0 holds ``g(0)/2`` and rank 1 ``g(1)/2``; micro-step 2
     syncs and both step with ``(g(0)+g(1)+g(2)+g(3))/4``.
 
+    **Token-weighted** (``num_items=n``): ``loss_fn()`` returns the *sum* of the
+    micro-batch's per-item losses (e.g. ``cross_entropy(..., reduction="sum",
+    ignore_index=-100)``) and ``n`` counts its items on this rank (0 allowed).
+    Backward runs on that sum, unscaled; ``new_grad.window_items`` adds up ``n``
+    while the window is open. On the syncing micro-step one all-reduce gives the
+    window's total ``N`` over all ranks (none with one process); the gradients,
+    which DDP or FSDP2 have just averaged over the ``p`` ranks, are multiplied by
+    ``p / N``, so the step sees ``sum over ranks and micro-steps of the summed-loss
+    gradients / N``, short windows included. If ``N == 0`` the step is skipped
+    (gradients zeroed, ``new_grad.step_was_skipped``). Every micro-step of a window
+    passes ``num_items`` or none does. With 2 ranks and ``k=2``: rank 0 holds items
+    {3, 0} in its two micro-steps and rank 1 {1, 4}; both step with ``(G0 + G1) /
+    8``, ``G0`` and ``G1`` being the ranks' sums of per-item gradients.
+
     Args:
         ctx: the run's context.
         grad: the state before this micro-step.
@@ -282,24 +305,46 @@ def accumulate_step(
         scaler: the fp16 grad scaler (``build_grad_scaler``); required for fp16.
         max_grad_norm: clip the total gradient norm to this before stepping.
         autocast_kwargs: options for the autocast context.
+        num_items: this micro-batch's item count on this rank (an ``int`` or a
+            0-dim integer tensor, ``>= 0``) for a token-weighted step, ``None``
+            for a mean loss. Pass it on every rank.
 
     Returns:
-        ``(loss.detach(), new_grad)``: the undivided loss and the next state; with
-        several optimizers ``new_grad.step_was_skipped`` is true when the scaler
-        skipped any of their steps.
+        ``(loss.detach(), new_grad)``: the undivided loss (token-weighted: the
+        micro-batch's mean loss per item, ``loss / n``, or the summed loss itself
+        when ``n == 0``) and the next state; with several optimizers
+        ``new_grad.step_was_skipped`` is true when the scaler skipped any of their
+        steps.
 
     Raises:
         TypeError: an argument of the wrong type, or ``loss_fn()`` not returning a
             tensor.
         ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, a loss that
-            is not a scalar or does not require grad, or (on a syncing micro-step)
-            an optimizer holding none of an FSDP2 model's parameters (built before
+            is not a scalar or does not require grad, a negative or non-0-dim
+            ``num_items``, a window that mixes ``num_items`` and mean losses,
+            ``num_items`` with several processes and a model whose gradients no
+            DDP or FSDP2 averages, or (on a syncing micro-step) an optimizer
+            holding none of an FSDP2 model's parameters (built before
             ``wrap_model`` and not passed to its ``optimizers``).
         RuntimeError: several processes but no matching process group.
     """
+    if num_items is not None:
+        return _token_weighted_step(
+            ctx,
+            grad,
+            model,
+            optimizer,
+            loss_fn,
+            num_items,
+            end_of_dataloader,
+            scaler,
+            max_grad_norm,
+            autocast_kwargs,
+        )
     if not (  # the usual arguments in one expression (this runs per micro-step)
         isinstance(ctx, DistributedContext)
         and isinstance(grad, GradState)
+        and grad.window_items is None
         and type(end_of_dataloader) is bool
         and scaler is None
         and max_grad_norm is None
@@ -315,6 +360,7 @@ def accumulate_step(
             scaler,
             max_grad_norm,
             autocast_kwargs,
+            None,
         )
     # Fast paths for the usual single model and optimizer (this runs per micro-step).
     if isinstance(model, nn.Module):
@@ -369,3 +415,105 @@ def accumulate_step(
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
     return loss.detach(), next_grad_state(grad, synced, end_of_dataloader, skipped)
+
+
+def _token_weighted_step(
+    ctx: DistributedContext,
+    grad: GradState,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_fn: Callable[[], torch.Tensor],
+    num_items: int | torch.Tensor,
+    end_of_dataloader: bool,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    autocast_kwargs: AutocastKwargs | None,
+) -> tuple[torch.Tensor, GradState]:
+    caller = "accumulate_step"
+    _check_step_args(
+        ctx,
+        grad,
+        loss_fn,
+        end_of_dataloader,
+        scaler,
+        max_grad_norm,
+        autocast_kwargs,
+        num_items,
+    )
+    items = check_num_items(num_items, caller)
+    models = as_tuple_of(model, nn.Module, caller=caller, name="model")
+    optimizers = as_tuple_of(
+        optimizer, torch.optim.Optimizer, caller=caller, name="optimizer"
+    )
+    p = ctx.num_processes
+    synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
+    if p > 1:
+        require_process_group(ctx, caller)
+        if grad.micro_step == 0:  # once per window, before anything accumulates
+            _require_averaged_grads(ctx, models)
+    # Backward of the summed loss itself (k=1): nothing is divided until the
+    # window's total is known.
+    if should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
+        with _no_sync(models, caller):
+            loss = _forward_backward(ctx, loss_fn, 1, scaler, autocast_kwargs)
+    else:
+        loss = _forward_backward(ctx, loss_fn, 1, scaler, autocast_kwargs)
+    shown = loss.detach() / items if items else loss.detach()
+    local = (grad.window_items or 0) + items
+    if not synced:
+        return shown, next_grad_state(grad, False, end_of_dataloader, False, local)
+    if p > 1:
+        # Once per window: an optimizer built before FSDP2 or tensor parallelism
+        # replaced the parameters would step nothing, silently.
+        check_optimizers_hold(models, optimizers, caller)
+    total = local if p == 1 else _all_reduce_count(ctx, local)
+    skipped = total == 0  # nothing to average: no update rather than 0/0
+    if not skipped:
+        # Each rank now holds (1/p) * sum over ranks of its summed-loss gradients
+        # (DDP all-reduces the mean; FSDP2 reduce-scatters the mean of each shard;
+        # one process holds the sum itself, p = 1), so p / total gives the sum over
+        # ranks divided by the window's item count.
+        rescale_grads_(optimizers, p / total)
+        if max_grad_norm is not None:
+            clip_grad_norm_(
+                optimizer_parameters(optimizers),
+                max_grad_norm,
+                scaler=scaler,
+                optimizer=optimizers,
+            )
+        skipped = optimizer_step(optimizers, scaler=scaler)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return shown, next_grad_state(grad, True, end_of_dataloader, skipped)
+
+
+def _all_reduce_count(ctx: DistributedContext, local: int) -> int:
+    guard_collective(ctx, "accumulate_step")
+    count = torch.tensor(local, dtype=torch.int64, device=comm_device(ctx))
+    dist.all_reduce(count)
+    return int(count.item())
+
+
+def _require_averaged_grads(
+    ctx: DistributedContext, models: tuple[nn.Module, ...]
+) -> None:
+    # The p / total rule holds only where the gradients were averaged over ranks.
+    for n, wrapped in enumerate(models):
+        model = inside_compile(wrapped)
+        if (
+            isinstance(model, DistributedDataParallel)
+            or is_fsdp_module(model)
+            # Tensor parallelism on a mesh: the tp ranks see the same items, so
+            # the count over all ranks is tp times the data-parallel count and
+            # p / total is still the right factor.
+            or any(is_dtensor(param) for param in model.parameters())
+        ):
+            continue
+        if any(param.requires_grad for param in model.parameters()):
+            msg = (
+                f"accumulate_step: num_items= with {ctx.num_processes} processes "
+                f"needs every trained model's gradients averaged over the ranks, "
+                f"but model {n} is a plain {type(model).__name__}; wrap it with "
+                "wrap_model(ctx, model) (DDP or FSDP2)."
+            )
+            raise ValueError(msg)

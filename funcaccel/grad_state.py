@@ -4,8 +4,9 @@
 functions here only read it or return a new one, and touch no model, optimizer or
 process group: ``should_sync`` (does the next micro-step close the window?),
 ``should_skip_grad_sync`` (does it run in the no-sync context?),
-``window_grad_factor`` (the ``k / m`` correction of a short last window) and
-``advance_grad_state`` (the state after it). ``funcaccel.accumulate`` re-exports
+``window_grad_factor`` (the ``k / m`` correction of a short last window),
+``advance_grad_state`` (the state after it) and ``check_num_items`` (the item count
+of a token-weighted micro-batch as an ``int``). ``funcaccel.accumulate`` re-exports
 them next to ``sync_ctx`` and ``accumulate_step``, which do the work.
 
 >>> grad = GradState(accumulation_steps=2)
@@ -18,9 +19,12 @@ them next to ``sync_ctx`` and ``accumulate_step``, which do the work.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any
 from typing import Final
+
+import torch
 
 from funcaccel._checks import a_or_an
 from funcaccel._checks import check_bool
@@ -30,6 +34,7 @@ from funcaccel.context import DistributedContext
 __all__ = [
     "GradState",
     "advance_grad_state",
+    "check_num_items",
     "should_skip_grad_sync",
     "should_sync",
     "window_grad_factor",
@@ -50,12 +55,17 @@ class GradState:
         sync_gradients: whether the last micro-step synced (and stepped); true
             exactly when ``micro_step == 0``.
         end_of_dataloader: the ``end_of_dataloader`` flag of the last micro-step.
-        step_was_skipped: the last micro-step's optimizer step was skipped by the
-            fp16 scaler (only possible when it synced).
+        step_was_skipped: the last micro-step closed its window but applied no
+            update: the fp16 scaler found inf/NaN gradients, or a token-weighted
+            window held no items on any rank (only possible when it synced).
         optimizer_steps: optimizer updates actually applied (>= 0).
         sync_with_dataloader: close the window at the end of the data.
         sync_each_batch: all-reduce on every micro-step (saves memory, costs
             communication); the optimizer still steps every ``k`` micro-steps.
+        window_items: the items this rank has put into the open window so far
+            when it is token-weighted (``accumulate_step(..., num_items=n)``);
+            ``None`` when no window is open or it averages mean losses. Only an
+            open window (``micro_step > 0``) has a count.
 
     Raises:
         TypeError: a field of the wrong type.
@@ -75,6 +85,7 @@ class GradState:
     optimizer_steps: int = 0
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+    window_items: int | None = None
 
     def __post_init__(self) -> None:
         # A state is built on every micro-step: one expression on the hot path; the
@@ -97,10 +108,18 @@ class GradState:
                 self.sync_gradients
                 or not (self.end_of_dataloader and self.sync_with_dataloader)
             )
+            and (
+                self.window_items is None
+                or (
+                    type(self.window_items) is int
+                    and self.window_items >= 0
+                    and micro_step > 0
+                )
+            )
         ):
             _raise_invalid(self)
 
-    def to_dict(self) -> dict[str, int | bool]:
+    def to_dict(self) -> dict[str, int | bool | None]:
         """Return the fields as a new plain, JSON-serialisable dict.
 
         >>> GradState(accumulation_steps=2).to_dict()["accumulation_steps"]
@@ -111,6 +130,9 @@ class GradState:
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> GradState:
         """Rebuild a state from ``to_dict()``'s output (validated as on construction).
+
+        A dict without ``window_items`` (written before that field existed, always
+        at a window boundary) reads as ``window_items=None``.
 
         Raises:
             TypeError: ``data`` is not a mapping, or a value has the wrong type.
@@ -124,7 +146,7 @@ class GradState:
             msg = f"GradState.from_dict: data must be a mapping; got {type(data).__name__}."
             raise TypeError(msg)
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - {"window_items"})
         unknown = sorted(str(key) for key in set(data) - names)
         if missing or unknown:
             msg = (
@@ -132,15 +154,18 @@ class GradState:
                 f"GradState.to_dict(); missing {missing}, unknown {unknown}."
             )
             raise ValueError(msg)
-        fields: dict[str, Any] = dict(data)
+        fields: dict[str, Any] = {"window_items": None, **data}
         return cls(**fields)
 
 
 def _raise_invalid(state: GradState) -> None:
     for field in dataclasses.fields(state):
-        value, kind = getattr(state, field.name), field.type  # "int" or "bool"
-        if type(value).__name__ != kind:
-            msg = f"GradState: {field.name} must be {a_or_an(str(kind))}; got {summary(value)} ({type(value).__name__})."
+        value, kind = getattr(state, field.name), str(field.type)
+        if kind == "int | None" and value is None:
+            continue
+        if type(value).__name__ != kind.removesuffix(" | None"):
+            wanted = a_or_an(kind.replace(" | ", " or "))
+            msg = f"GradState: {field.name} must be {wanted}; got {summary(value)} ({type(value).__name__})."
             raise TypeError(msg)
     k, j, synced = state.accumulation_steps, state.micro_step, state.sync_gradients
     problems = [
@@ -169,6 +194,16 @@ def _raise_invalid(state: GradState) -> None:
             "end_of_dataloader=True with sync_with_dataloader=True closes the "
             "window, so sync_gradients must be True; got False.",
         ),
+        (
+            state.window_items is not None and state.window_items < 0,
+            f"window_items must be >= 0 or None; got {state.window_items}.",
+        ),
+        (
+            state.window_items is not None and j == 0,
+            f"window_items ({state.window_items}) counts the items of an open "
+            "window, so micro_step must be > 0; got micro_step=0. Pass "
+            "window_items=None.",
+        ),
     ]
     # __post_init__'s expression failed, so one of these holds.
     msg = next(problem for bad, problem in problems if bad)
@@ -183,6 +218,85 @@ def check_grad_state(grad: object, caller: str) -> None:
             "Start with GradState(accumulation_steps=k)."
         )
         raise TypeError(msg)
+
+
+def check_num_items(num_items: object, caller: str) -> int:
+    """Return a micro-batch's item count (``num_items=``) as a Python ``int``.
+
+    Takes an ``int`` (or another integral number that is not a bool) or a 0-dim
+    integer tensor, ``>= 0``. A tensor is read with ``.item()``, which on a GPU
+    waits for the device: count on the host (in the collate function, say) when
+    you can.
+
+    Raises:
+        TypeError: a bool, a float, or a tensor that is not of an integer dtype.
+        ValueError: a negative count, or a tensor with one or more dimensions.
+
+    >>> check_num_items(torch.tensor(7), "f"), check_num_items(0, "f")
+    (7, 0)
+    >>> check_num_items(-1, "f")
+    Traceback (most recent call last):
+    ...
+    ValueError: f: num_items must be >= 0 (how many items the micro-batch's summed loss covers on this rank); got -1.
+    """
+    if isinstance(num_items, torch.Tensor):
+        if num_items.dim() != 0:
+            msg = (
+                f"{caller}: num_items must be an int or a 0-dim integer tensor; got "
+                f"{summary(num_items)}. Sum it to one count first, e.g. "
+                "(labels != -100).sum()."
+            )
+            raise ValueError(msg)
+        inexact = num_items.is_floating_point() or num_items.is_complex()
+        if inexact or num_items.dtype == torch.bool:
+            msg = (
+                f"{caller}: num_items must be an int or a 0-dim integer tensor; got "
+                f"{summary(num_items)}. Count items with an integer dtype, e.g. "
+                "(labels != -100).sum()."
+            )
+            raise TypeError(msg)
+        count = int(num_items.item())
+    elif isinstance(num_items, numbers.Integral) and not isinstance(num_items, bool):
+        count = int(num_items)
+    else:
+        msg = (
+            f"{caller}: num_items must be an int or a 0-dim integer tensor (the "
+            f"number of items the micro-batch's summed loss covers); got "
+            f"{summary(num_items)} ({type(num_items).__name__})."
+        )
+        raise TypeError(msg)
+    if count < 0:
+        msg = (
+            f"{caller}: num_items must be >= 0 (how many items the micro-batch's "
+            f"summed loss covers on this rank); got {count}."
+        )
+        raise ValueError(msg)
+    return count
+
+
+def check_window_kind(grad: GradState, token_weighted: bool, caller: str) -> None:
+    """Raise ``ValueError`` when a micro-step's kind differs from its open window's.
+
+    A window is token-weighted (``num_items=`` on every micro-step) or averages
+    mean losses (no ``num_items``) throughout; the first micro-step decides.
+    """
+    if grad.micro_step == 0 or token_weighted is (grad.window_items is not None):
+        return
+    if token_weighted:
+        msg = (
+            f"{caller}: num_items was given, but the open accumulation window "
+            f"(micro_step={grad.micro_step}) was started with mean losses, without "
+            "num_items; a window is token-weighted or mean-loss throughout: pass "
+            "num_items= from the first micro-step of a window on."
+        )
+    else:
+        msg = (
+            f"{caller}: num_items=None, but the open accumulation window is "
+            f"token-weighted (window_items={grad.window_items} after "
+            f"{grad.micro_step} micro-steps); pass num_items= on every micro-step of "
+            "the window (0 for a micro-batch without items)."
+        )
+    raise ValueError(msg)
 
 
 def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
@@ -246,18 +360,27 @@ def window_grad_factor(grad: GradState, *, end_of_dataloader: bool = False) -> f
 
 
 def advance_grad_state(
-    grad: GradState, *, end_of_dataloader: bool = False, step_was_skipped: bool = False
+    grad: GradState,
+    *,
+    end_of_dataloader: bool = False,
+    step_was_skipped: bool = False,
+    num_items: int | torch.Tensor | None = None,
 ) -> GradState:
     """Return the state after one micro-step; ``grad`` is left unchanged.
 
     Args:
         grad: the state before the micro-step.
         end_of_dataloader: whether this micro-batch was the last of the data.
-        step_was_skipped: whether the scaler skipped this micro-step's optimizer
-            step (only possible when it syncs).
+        step_was_skipped: whether this micro-step's optimizer step applied no
+            update (only possible when it syncs).
+        num_items: the micro-batch's item count in a token-weighted window; the
+            new state's ``window_items`` adds it up while the window stays open.
 
     Raises:
-        ValueError: ``step_was_skipped`` on a micro-step that does not sync.
+        TypeError: a ``num_items`` that is not an integer count.
+        ValueError: ``step_was_skipped`` on a micro-step that does not sync; a
+            negative ``num_items``; ``num_items`` given in a mean-loss window or
+            missing in a token-weighted one.
 
     >>> grad = GradState(accumulation_steps=2, micro_step=1, sync_gradients=False)
     >>> after = advance_grad_state(grad)
@@ -265,8 +388,11 @@ def advance_grad_state(
     (0, True, 1)
     >>> advance_grad_state(after, end_of_dataloader=True, step_was_skipped=True).optimizer_steps
     1
+    >>> advance_grad_state(GradState(accumulation_steps=2), num_items=5).window_items
+    5
     """
     check_bool("advance_grad_state", "step_was_skipped", step_was_skipped)
+    check_window_kind(grad, num_items is not None, "advance_grad_state")
     synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if step_was_skipped and not synced:
         msg = (
@@ -275,11 +401,24 @@ def advance_grad_state(
             f"{grad.accumulation_steps}); only a syncing micro-step can skip."
         )
         raise ValueError(msg)
-    return next_grad_state(grad, synced, end_of_dataloader, step_was_skipped)
+    items = None
+    if num_items is not None:
+        items = check_num_items(num_items, "advance_grad_state")
+        items = None if synced else (grad.window_items or 0) + items
+    return next_grad_state(grad, synced, end_of_dataloader, step_was_skipped, items)
 
 
-def next_grad_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> GradState:
-    """Return the state after one micro-step of a valid ``grad`` (no checks)."""
+def next_grad_state(
+    grad: GradState,
+    synced: bool,
+    end: bool,
+    skipped: bool,
+    window_items: int | None = None,
+) -> GradState:
+    """Return the state after one micro-step of a valid ``grad`` (no checks).
+
+    ``window_items`` is the new state's count: ``None`` when ``synced``.
+    """
     # Runs on every micro-step. The fields follow from a valid ``grad`` (micro_step
     # is 0 exactly when synced, a skip only when synced), so the state is built as
     # the frozen dataclass's own __init__ builds it, minus the keyword parsing and
@@ -296,4 +435,5 @@ def next_grad_state(grad: GradState, synced: bool, end: bool, skipped: bool) -> 
     )
     _set_field(state, "sync_with_dataloader", grad.sync_with_dataloader)
     _set_field(state, "sync_each_batch", grad.sync_each_batch)
+    _set_field(state, "window_items", window_items)
     return state

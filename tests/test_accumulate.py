@@ -167,6 +167,7 @@ def test_grad_state_defaults_form_the_initial_state() -> None:
         "optimizer_steps": 0,
         "sync_with_dataloader": True,
         "sync_each_batch": False,
+        "window_items": None,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         grad.micro_step = 1  # type: ignore[misc]
