@@ -96,9 +96,12 @@ if TYPE_CHECKING:
     from funcaccel.checkpoint import LoadedState
     from funcaccel.checkpoint import latest_checkpoint
     from funcaccel.checkpoint import list_checkpoints
+    from funcaccel.checkpoint import PendingCheckpoint
     from funcaccel.checkpoint import load_checkpoint
+    from funcaccel.checkpoint import load_model
     from funcaccel.checkpoint import read_checkpoint_meta
     from funcaccel.checkpoint import save_checkpoint
+    from funcaccel.checkpoint import save_model
     from funcaccel.envreport import env_report
     from funcaccel.profiler import build_profiler
     from funcaccel.profiler import profiler_trace_path
@@ -124,8 +127,11 @@ _LAZY: Final = MappingProxyType(
         "latest_checkpoint": "funcaccel.checkpoint",
         "list_checkpoints": "funcaccel.checkpoint",
         "load_checkpoint": "funcaccel.checkpoint",
+        "load_model": "funcaccel.checkpoint",
+        "PendingCheckpoint": "funcaccel.checkpoint",
         "read_checkpoint_meta": "funcaccel.checkpoint",
         "save_checkpoint": "funcaccel.checkpoint",
+        "save_model": "funcaccel.checkpoint",
         "env_report": "funcaccel.envreport",
         "build_profiler": "funcaccel.profiler",
         "profiler_trace_path": "funcaccel.profiler",
@@ -171,6 +177,7 @@ __all__ = [
     "LogRecord",
     "MLflowTracker",
     "MetricValue",
+    "PendingCheckpoint",
     "ProfileKwargs",
     "Reduction",
     "RngType",
@@ -210,6 +217,7 @@ __all__ = [
     "launch",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model",
     "local_main_process_first",
     "local_sgd_step",
     "log_metrics",
@@ -227,6 +235,7 @@ __all__ = [
     "reduce",
     "rescale_grads_",
     "save_checkpoint",
+    "save_model",
     "scheduler_steps_due",
     "send_to_device",
     "set_seed",
