@@ -101,17 +101,21 @@ class PendingCheckpoint:
         path: Path,
         write: Callable[[], dict[str, FileEntry]],
         finish: Finish,
+        *,
+        error: str | None = None,
     ) -> None:
         self.path = path
         self._ctx = ctx
         self._root = root
         self._finish = finish
         self._entries: dict[str, FileEntry] = {}
-        self._error: str | None = None
+        self._error = error  # staging failed: nothing to write
         self._cause: BaseException | None = None
         self._outcome: Path | BaseException | None = None
 
         def run() -> None:
+            if self._error is not None:
+                return
             try:
                 self._entries = write()
             except Exception as failure:  # any failure is reported by wait()

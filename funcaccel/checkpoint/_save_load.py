@@ -274,7 +274,13 @@ def save_checkpoint(
         _formats.save_sharded(
             ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
         )
-    files = _formats.state_files(ctx, objs, rng=save_rng, whole=state_format == "torch")
+    files: dict[str, object] = {}
+    try:
+        files = _formats.state_files(
+            ctx, objs, rng=save_rng, whole=state_format == "torch"
+        )
+    except (OSError, RuntimeError) as failure:
+        error = f"writing into {temporary} failed: {failure}"
     fields = {
         "world_size": ctx.num_processes,
         "state_format": state_format,
@@ -291,17 +297,25 @@ def save_checkpoint(
     finish = functools.partial(
         _finish, ctx, root, name, fields, keep_last=keep_last, caller=caller
     )
-    if asynchronous:
-        staged = stage(files)
-        return PendingCheckpoint(
-            ctx, root, root / name, lambda: _formats.write_files(temporary, staged), finish
-        )
     entries: dict[str, FileEntry] = {}
+    staged: dict[str, object] = {}
     try:
-        entries = _formats.write_files(temporary, files)
+        if error is None and asynchronous:
+            staged = stage(files)  # a copy: training may change the originals now
+        elif error is None:
+            entries = _formats.write_files(temporary, files)
     except (OSError, RuntimeError) as failure:
         error = f"writing into {temporary} failed: {failure}"
-    return finish(entries, error)
+    if not asynchronous:
+        return finish(entries, error)
+    return PendingCheckpoint(
+        ctx,
+        root,
+        root / name,
+        lambda: _formats.write_files(temporary, staged),
+        finish,
+        error=error,
+    )
 
 
 _FAILED: Final = "the checkpoint was not written (the previous one is still the latest)"
