@@ -23,6 +23,7 @@ from funcaccel.checkpoint import load_model
 from funcaccel.checkpoint import save_model
 from funcaccel.context import DistributedContext
 from funcaccel.model import FSDPOptions
+from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
 from tests._dist import run_ranks
 
@@ -326,7 +327,7 @@ def _trained(ctx: DistributedContext, how: str) -> nn.Module:
 def _full_state(model: nn.Module) -> Tensors:
     return {
         k: v.full_tensor() if isinstance(v, DTensor) else v
-        for k, v in model.state_dict().items()
+        for k, v in unwrap_model(model).state_dict().items()
     }
 
 
@@ -336,6 +337,8 @@ def _export_worker(ctx: DistributedContext, how: str, out: Path) -> Tensors:
     fresh: nn.Module = _LM(vocab=40, width=8, seed=5)
     if how == "fsdp":
         fresh = wrap_model(ctx, fresh, fsdp=FSDPOptions())
+    else:
+        fresh = wrap_model(ctx, fresh)  # DDP
     load_model(ctx, fresh, out)
     after = _full_state(fresh)
     assert _same(after, _full_state(model))
