@@ -171,7 +171,7 @@ def save_model(
     if temporary is not None:
         try:
             if error is None and len(shards) > 1:
-                weight_map = {e.name: n for s, n in zip(shards, names) for e in s}
+                weight_map = {e.name: n for s, n in zip(shards, names, strict=True) for e in s}
                 total = sum(e.nbytes for e in entries)
                 _export_files.write_index(temporary / index_name(safe=safe), weight_map, total)
             if error is None:
