@@ -103,6 +103,20 @@ def test_a_model_above_max_shard_size_writes_shards_and_an_index(tmp_path: Path)
     assert _same(_files(out), _expected(model))
 
 
+def test_a_file_is_closed_when_the_next_tensor_would_overflow_it(tmp_path: Path) -> None:
+    # embed 1280 bytes (alone: above the limit), body 256 + 32, norm 32 + 32.
+    out = save_model(ONE, _LM(vocab=40, width=8), tmp_path / "out", max_shard_size=300)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = {k: v[6:11] for k, v in index["weight_map"].items()}
+    assert files == {
+        "embed_tokens.weight": "00001",
+        "body.weight": "00002",
+        "body.bias": "00002",
+        "norm.weight": "00003",
+        "norm.bias": "00003",
+    }
+
+
 def test_tied_weights_are_written_once_and_load_ties_both(tmp_path: Path) -> None:
     model = _LM()
     out = save_model(ONE, model, tmp_path / "out")
