@@ -75,12 +75,12 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from funcaccel.rng import sync_rng_states
 from funcaccel.process import get_logger
 from funcaccel.process import local_main_process_first
 from funcaccel.process import main_process_first
 from funcaccel.process import print_main
 from funcaccel.progress import progress
+from funcaccel.rng import sync_rng_states
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
 from funcaccel.seeding import set_seed
@@ -94,9 +94,9 @@ from funcaccel.sync import sync_in_backward
 if TYPE_CHECKING:
     from funcaccel.checkpoint import CheckpointMeta
     from funcaccel.checkpoint import LoadedState
+    from funcaccel.checkpoint import PendingCheckpoint
     from funcaccel.checkpoint import latest_checkpoint
     from funcaccel.checkpoint import list_checkpoints
-    from funcaccel.checkpoint import PendingCheckpoint
     from funcaccel.checkpoint import load_checkpoint
     from funcaccel.checkpoint import load_model
     from funcaccel.checkpoint import read_checkpoint_meta
