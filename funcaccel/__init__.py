@@ -96,11 +96,14 @@ from funcaccel.sync import sync_in_backward
 if TYPE_CHECKING:
     from funcaccel.checkpoint import CheckpointMeta
     from funcaccel.checkpoint import LoadedState
+    from funcaccel.checkpoint import PendingCheckpoint
     from funcaccel.checkpoint import latest_checkpoint
     from funcaccel.checkpoint import list_checkpoints
     from funcaccel.checkpoint import load_checkpoint
+    from funcaccel.checkpoint import load_model
     from funcaccel.checkpoint import read_checkpoint_meta
     from funcaccel.checkpoint import save_checkpoint
+    from funcaccel.checkpoint import save_model
     from funcaccel.envreport import env_report
     from funcaccel.plot import plot_metrics
     from funcaccel.profiler import build_profiler
@@ -127,8 +130,11 @@ _LAZY: Final = MappingProxyType(
         "latest_checkpoint": "funcaccel.checkpoint",
         "list_checkpoints": "funcaccel.checkpoint",
         "load_checkpoint": "funcaccel.checkpoint",
+        "load_model": "funcaccel.checkpoint",
+        "PendingCheckpoint": "funcaccel.checkpoint",
         "read_checkpoint_meta": "funcaccel.checkpoint",
         "save_checkpoint": "funcaccel.checkpoint",
+        "save_model": "funcaccel.checkpoint",
         "env_report": "funcaccel.envreport",
         "plot_metrics": "funcaccel.plot",
         "build_profiler": "funcaccel.profiler",
@@ -176,6 +182,7 @@ __all__ = [
     "MLflowTracker",
     "MetricValue",
     "ParallelMesh",
+    "PendingCheckpoint",
     "ProfileKwargs",
     "Reduction",
     "RngType",
@@ -216,6 +223,7 @@ __all__ = [
     "launch",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model",
     "local_main_process_first",
     "local_sgd_step",
     "log_metrics",
@@ -234,6 +242,7 @@ __all__ = [
     "reduce",
     "rescale_grads_",
     "save_checkpoint",
+    "save_model",
     "scheduler_steps_due",
     "send_to_device",
     "set_seed",

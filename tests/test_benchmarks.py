@@ -130,3 +130,22 @@ def test_bench_import_runs() -> None:
     found = re.search(r"self time of funcaccel modules: (\d+\.\d) ms$", out, re.M)
     # -X importtime attributes time to funcaccel's own modules: parsing found them.
     assert found and float(found[1]) > 0, out
+
+
+def test_bench_export_runs() -> None:
+    out = _run("bench_export", "--repeats", 2, "--hidden", 32, "--layers", 2)
+    stall = [
+        "synchronous save_checkpoint",
+        "synchronous again (noise control)",
+        "asynchronous: stall until staged",
+    ]
+    export = [
+        "safetensors.torch.save_file",
+        "save_file again (noise control)",
+        "save_file + fsync of the file",
+        "save_model",
+    ]
+    one = ["1.000×", "1.000×"]  # ratio of medians, median paired ratio
+    references = {stall[0]: one, export[0]: one}
+    _check_rows(out, stall + export, 5, references)
+    assert out.index("## Training stall") < out.index("## Export of the model")

@@ -492,7 +492,8 @@ def test_contexts_under_three_real_processes(tmp_path: Path) -> None:
 
 def _funcaccel_modules() -> list[types.ModuleType]:
     modules = [funcaccel]
-    for info in pkgutil.iter_modules(funcaccel.__path__, prefix="funcaccel."):
+    # Every module of every package, private helpers included.
+    for info in pkgutil.walk_packages(funcaccel.__path__, prefix="funcaccel."):
         if info.name != "funcaccel.__main__":
             modules.append(importlib.import_module(info.name))
     return modules

@@ -8,6 +8,9 @@ torch.distributed.checkpoint for FSDP2); ``_agree.py`` the checks ranks agree on
 
 from __future__ import annotations
 
+from funcaccel.checkpoint._async import PendingCheckpoint
+from funcaccel.checkpoint._export import load_model
+from funcaccel.checkpoint._export import save_model
 from funcaccel.checkpoint._layout import latest_checkpoint
 from funcaccel.checkpoint._layout import list_checkpoints
 from funcaccel.checkpoint._manifest import SCHEMA_VERSION
@@ -24,8 +27,11 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model",
     "LoadedState",
+    "PendingCheckpoint",
     "read_checkpoint_meta",
     "save_checkpoint",
+    "save_model",
     "SCHEMA_VERSION",
 ]

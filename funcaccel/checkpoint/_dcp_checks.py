@@ -15,6 +15,7 @@ import io
 import pickle
 from collections.abc import Collection
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 
@@ -30,7 +31,7 @@ _METADATA_NAME: Final = ".metadata"
 # What DCP's FileSystemWriter pickles into .metadata: its records, torch.Size,
 # dtypes and layouts, and the checkpoint path. Building any of these runs no code
 # of the file's choosing.
-_ALLOWED: Final = {
+_ALLOWED: Final = MappingProxyType({
     "torch.distributed.checkpoint.metadata": frozenset(
         {
             "BytesStorageMetadata",
@@ -48,7 +49,7 @@ _ALLOWED: Final = {
     "torch": frozenset({"Size"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
     "collections": frozenset({"OrderedDict"}),
-}
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -61,6 +61,8 @@ __all__ = [
     "load_state_objects",
     "pair_optimizers",
     "save_sharded",
+    "state_files",
+    "write_files",
     "write_state_files",
 ]
 
@@ -306,6 +308,48 @@ def load_sharded(
         set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{index}"])
 
 
+def state_files(
+    ctx: DistributedContext, objs: StateObjects, *, rng: bool, whole: bool
+) -> dict[str, object]:
+    """Return this rank's files of a checkpoint as ``{name: state}``, not yet written.
+
+    Every rank has its RNG file (with ``rng``); rank 0 the schedulers, scaler and
+    named objects, and with ``whole`` the unwrapped models and the optimizers
+    (replicated under DDP, so one copy suffices). The states are the objects' own
+    ``state_dict()``s: their tensors are the live ones, not copies.
+    """
+    files: dict[str, object] = {}
+    if rng:
+        files[f"rng_rank_{ctx.process_index}.pt"] = capture_rng_state()
+    if not ctx.is_main_process:
+        return files
+    if whole:
+        for index, model in enumerate(objs.models):
+            files[f"model_{index}.pt"] = unwrap_model(model).state_dict()
+        for index, optimizer in enumerate(objs.optimizers):
+            files[f"optimizer_{index}.pt"] = optimizer.state_dict()
+    for index, scheduler in enumerate(objs.schedulers):
+        files[f"scheduler_{index}.pt"] = scheduler.state_dict()
+    if objs.scaler is not None:
+        files["scaler.pt"] = objs.scaler.state_dict()
+    for key, value in objs.named.items():
+        files[f"object_{key}.pt"] = value.state_dict()
+    return files
+
+
+def write_files(temporary: Path, files: Mapping[str, object]) -> dict[str, FileEntry]:
+    """Write each state of ``files`` to ``temporary / name`` (fsynced).
+
+    Returns:
+        The manifest entries of the files written, by name.
+    """
+    entries: dict[str, FileEntry] = {}
+    for name, obj in files.items():
+        size, digest = _layout.write_torch_file(obj, temporary / name)
+        entries[name] = FileEntry(size=size, sha256=digest)
+    return entries
+
+
 def write_state_files(
     ctx: DistributedContext,
     temporary: Path,
@@ -314,37 +358,12 @@ def write_state_files(
     rng: bool,
     whole: bool,
 ) -> dict[str, FileEntry]:
-    """Write this rank's files of a checkpoint into ``temporary``.
-
-    Every rank writes its RNG file (with ``rng``); rank 0 writes the schedulers,
-    scaler and named objects, and with ``whole`` the unwrapped models and the
-    optimizers (replicated under DDP, so one copy suffices).
+    """Write this rank's files of a checkpoint (``state_files``) into ``temporary``.
 
     Returns:
         The manifest entries of the files written, by name.
     """
-    entries: dict[str, FileEntry] = {}
-
-    def write(name: str, obj: object) -> None:
-        size, digest = _layout.write_torch_file(obj, temporary / name)
-        entries[name] = FileEntry(size=size, sha256=digest)
-
-    if rng:
-        write(f"rng_rank_{ctx.process_index}.pt", capture_rng_state())
-    if not ctx.is_main_process:
-        return entries
-    if whole:
-        for index, model in enumerate(objs.models):
-            write(f"model_{index}.pt", unwrap_model(model).state_dict())
-        for index, optimizer in enumerate(objs.optimizers):
-            write(f"optimizer_{index}.pt", optimizer.state_dict())
-    for index, scheduler in enumerate(objs.schedulers):
-        write(f"scheduler_{index}.pt", scheduler.state_dict())
-    if objs.scaler is not None:
-        write("scaler.pt", objs.scaler.state_dict())
-    for key, value in objs.named.items():
-        write(f"object_{key}.pt", value.state_dict())
-    return entries
+    return write_files(temporary, state_files(ctx, objs, rng=rng, whole=whole))
 
 
 def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> None:

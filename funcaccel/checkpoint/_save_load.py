@@ -46,15 +46,20 @@ sample index and epoch instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from typing import Final
+from typing import Literal
+from typing import overload
 
 import torch
 from torch import nn
 
+from funcaccel._checks import check_bool
 from funcaccel._checks import summary
 from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint import _layout
@@ -62,6 +67,9 @@ from funcaccel.checkpoint._agree import _all_gather
 from funcaccel.checkpoint._agree import _check_save_values
 from funcaccel.checkpoint._agree import _raise_failures
 from funcaccel.checkpoint._agree import _read_checked
+from funcaccel.checkpoint._async import PendingCheckpoint
+from funcaccel.checkpoint._async import own_pending_save
+from funcaccel.checkpoint._async import stage
 from funcaccel.checkpoint._formats import Stateful
 from funcaccel.checkpoint._layout import latest_checkpoint
 from funcaccel.checkpoint._layout import list_checkpoints
@@ -81,6 +89,7 @@ __all__ = [
     "CheckpointMeta",
     "FileEntry",
     "LoadedState",
+    "PendingCheckpoint",
     "Stateful",
     "latest_checkpoint",
     "list_checkpoints",
@@ -138,6 +147,46 @@ def read_checkpoint_meta(
     return read_manifest(Path(path), verify=verify, caller="read_checkpoint_meta")
 
 
+@overload
+def save_checkpoint(
+    ctx: DistributedContext,
+    directory: str | os.PathLike[str],
+    *,
+    models: nn.Module | Sequence[nn.Module] = ...,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ...,
+    schedulers: Stateful | Sequence[Stateful] = ...,
+    scaler: torch.amp.GradScaler | None = ...,
+    objects: Mapping[str, Stateful] | None = ...,
+    grad: GradState | None = ...,
+    loader: LoaderState | None = ...,
+    extra: Mapping[str, Any] | None = ...,
+    keep_last: int | None = ...,
+    save_rng: bool = ...,
+    asynchronous: Literal[False] = ...,
+    pending: PendingCheckpoint | None = ...,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    ctx: DistributedContext,
+    directory: str | os.PathLike[str],
+    *,
+    models: nn.Module | Sequence[nn.Module] = ...,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ...,
+    schedulers: Stateful | Sequence[Stateful] = ...,
+    scaler: torch.amp.GradScaler | None = ...,
+    objects: Mapping[str, Stateful] | None = ...,
+    grad: GradState | None = ...,
+    loader: LoaderState | None = ...,
+    extra: Mapping[str, Any] | None = ...,
+    keep_last: int | None = ...,
+    save_rng: bool = ...,
+    asynchronous: Literal[True],
+    pending: PendingCheckpoint | None = ...,
+) -> PendingCheckpoint: ...
+
+
 def save_checkpoint(
     ctx: DistributedContext,
     directory: str | os.PathLike[str],
@@ -152,7 +201,9 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
     save_rng: bool = True,
-) -> Path:
+    asynchronous: bool = False,
+    pending: PendingCheckpoint | None = None,
+) -> Path | PendingCheckpoint:
     """Write a new checkpoint of the training state into ``directory`` (collective).
 
     Every rank calls it with the same arguments (its own replica or shards); nothing
@@ -162,6 +213,15 @@ def save_checkpoint(
     With 2 DDP processes and one model and optimizer, ``checkpoint-000001`` gets
     ``model_0.pt`` and ``optimizer_0.pt`` from rank 0, ``rng_rank_0.pt`` and
     ``rng_rank_1.pt`` from each rank, then ``manifest.json``.
+
+    With ``asynchronous=True`` it returns a ``PendingCheckpoint`` as soon as the
+    state is staged (copied into CPU memory), and a background thread writes the
+    files while training goes on; ``pending.wait()``, called on every rank (or the
+    next ``save_checkpoint`` into ``directory``), completes the checkpoint and
+    raises any failure of the background writing. ``latest`` moves only then, so
+    a process killed before leaves the previous checkpoint current. With FSDP2
+    models the sharded ``dcp/`` part is written before it returns (DCP's
+    collectives must run on the training thread); only the rest is deferred.
 
     Args:
         ctx: the distributed context.
@@ -177,9 +237,11 @@ def save_checkpoint(
         extra: JSON values (str, int, finite float, bool, None, list, dict).
         keep_last: keep only the newest ``keep_last`` checkpoints (>= 1).
         save_rng: save each rank's Python, torch, CUDA and NumPy RNG states.
+        asynchronous: write in the background and return a ``PendingCheckpoint``.
 
     Returns:
-        The new checkpoint's path, ``directory/checkpoint-NNNNNN``.
+        The new checkpoint's path, ``directory/checkpoint-NNNNNN``; with
+        ``asynchronous=True`` a ``PendingCheckpoint`` whose ``wait()`` returns it.
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -187,77 +249,137 @@ def save_checkpoint(
             ``keep_last`` or object name.
         RuntimeError: a rank failed to write (raised on every rank; the previous
             checkpoint stays current), no process group matching ``ctx``, or
-            (with ``ctx.collective_timeout``) a rank that did not call it in time.
+            (with ``ctx.collective_timeout``) a rank that did not call it in time;
+            also the failure of an earlier asynchronous save it completes.
     """
     caller = "save_checkpoint"
     objs = _formats.check_state_objects(
         ctx, caller, models, optimizers, schedulers, scaler, objects
     )
     extra_dict = _check_save_values(caller, grad, loader, extra, keep_last)
-    if type(save_rng) is not bool:
-        msg = f"{caller}: save_rng must be a bool; got {summary(save_rng)}."
-        raise TypeError(msg)
+    check_bool(caller, "save_rng", save_rng)
+    check_bool(caller, "asynchronous", asynchronous)
     state_format = _formats.choose_format(objs.models)
     if state_format == "dcp":
         _formats.pair_optimizers(objs.models, objs.optimizers, caller=caller)
+    if pending is not None and not isinstance(pending, PendingCheckpoint):
+        msg = (
+            f"{caller}: pending must be the PendingCheckpoint an asynchronous save "
+            f"returned, or None; got {summary(pending)} ({type(pending).__name__})."
+        )
+        raise TypeError(msg)
     root = Path(directory)
+    if pending is not None:
+        pending.wait()  # collective: the earlier save is numbered before this one
     guard_collective(ctx, caller)
     name, error = "", None
     if ctx.is_main_process:
-        try:
-            name = _layout.prepare(root)
-        except OSError as failure:
-            error = f"cannot create a checkpoint in {root}: {failure}"
-    failed = "the checkpoint was not written (the previous one is still the latest)"
-    pruning: str | None = None
+        unfinished = own_pending_save(root)
+        if unfinished is not None:
+            error = (
+                f"an asynchronous save into {root} ({unfinished}) is still pending; "
+                "pass its PendingCheckpoint as save_checkpoint(..., pending=handle), "
+                "or call handle.wait() first"
+            )
+        else:
+            try:
+                name = _layout.prepare(root)
+            except OSError as failure:
+                error = f"cannot create a checkpoint in {root}: {failure}"
     name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
-    _raise_failures([error], failed, caller)
+    _raise_failures([error], _FAILED, caller)
     temporary = _layout.temporary_dir(root, name)
-    entries: dict[str, FileEntry] = {}
-    error = None
-    try:
-        entries = _formats.write_state_files(
-            ctx, temporary, objs, rng=save_rng, whole=state_format == "torch"
-        )
-    except (OSError, RuntimeError) as failure:
-        error = f"writing into {temporary} failed: {failure}"
-    gathered = _all_gather(ctx, (entries, error))
-    _raise_failures([e for _, e in gathered], failed, caller)
     if state_format == "dcp":
         _formats.save_sharded(
             ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
         )
+    files: dict[str, object] = {}
+    try:
+        files = _formats.state_files(
+            ctx, objs, rng=save_rng, whole=state_format == "torch"
+        )
+    except (OSError, RuntimeError) as failure:
+        error = f"writing into {temporary} failed: {failure}"
+    fields = {
+        "world_size": ctx.num_processes,
+        "state_format": state_format,
+        "models": len(objs.models),
+        "optimizers": len(objs.optimizers),
+        "schedulers": len(objs.schedulers),
+        "scaler": objs.scaler is not None,
+        "objects": tuple(objs.named),
+        "rng": save_rng,
+        "grad": grad,
+        "loader": loader,
+        "extra": extra_dict,
+    }
+    finish = functools.partial(
+        _finish, ctx, root, name, fields, keep_last=keep_last, caller=caller
+    )
+    entries: dict[str, FileEntry] = {}
+    staged: dict[str, object] = {}
+    try:
+        if error is None and asynchronous:
+            staged = stage(files)  # a copy: training may change the originals now
+        elif error is None:
+            entries = _formats.write_files(temporary, files)
+    except (OSError, RuntimeError) as failure:
+        error = f"writing into {temporary} failed: {failure}"
+    if not asynchronous:
+        return finish(entries, error)
+    return PendingCheckpoint(
+        ctx,
+        root,
+        root / name,
+        temporary,
+        lambda: _formats.write_files(temporary, staged),
+        finish,
+        error=error,
+    )
+
+
+_FAILED: Final = "the checkpoint was not written (the previous one is still the latest)"
+
+
+def _finish(
+    ctx: DistributedContext,
+    root: Path,
+    name: str,
+    fields: dict[str, Any],
+    entries: dict[str, FileEntry],
+    error: str | None,
+    *,
+    keep_last: int | None,
+    caller: str,
+) -> Path:
+    """Commit a checkpoint whose files every rank has written (collective).
+
+    The ranks agree that all wrote; rank 0 writes the manifest, renames the
+    directory into place, moves ``latest`` and prunes. Also the barrier: no rank
+    returns before the checkpoint is complete.
+    """
+    gathered = _all_gather(ctx, (entries, error))
+    _raise_failures([e for _, e in gathered], _FAILED, caller)
+    temporary = _layout.temporary_dir(root, name)
+    commit_error: str | None = None
+    pruning: str | None = None
     if ctx.is_main_process:
         files = {k: v for rank_entries, _ in gathered for k, v in rank_entries.items()}
-        if state_format == "dcp":
+        if fields["state_format"] == "dcp":
             for key, size in _layout.file_sizes(temporary / "dcp").items():
                 files[f"dcp/{key}"] = FileEntry(size=size)
-        meta = CheckpointMeta(
-            world_size=ctx.num_processes,
-            state_format=state_format,
-            models=len(objs.models),
-            optimizers=len(objs.optimizers),
-            schedulers=len(objs.schedulers),
-            scaler=objs.scaler is not None,
-            objects=tuple(objs.named),
-            rng=save_rng,
-            grad=grad,
-            loader=loader,
-            extra=extra_dict,
-            files=files,
-        )
+        meta = CheckpointMeta(**fields, files=files)
         try:
             _layout.commit(root, name, meta.to_dict())
         except OSError as failure:
-            error = f"committing {temporary} failed: {failure}"
+            commit_error = f"committing {temporary} failed: {failure}"
         else:
             try:
                 _layout.prune(root, keep_last=keep_last)
             except OSError as failure:
                 pruning = str(failure)
-    # Also the barrier: no rank returns before the checkpoint is complete.
-    outcome = _all_gather(ctx, (error, pruning))
-    _raise_failures([e for e, _ in outcome], failed, caller)
+    outcome = _all_gather(ctx, (commit_error, pruning))
+    _raise_failures([e for e, _ in outcome], _FAILED, caller)
     done = f"{root / name} is written and current, but deleting older ones failed"
     _raise_failures([p for _, p in outcome], done, caller)
     return root / name

@@ -6,7 +6,9 @@ import importlib.util
 import os
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Final
 from typing import NamedTuple
 
@@ -30,7 +32,7 @@ class _Entry(NamedTuple):
     build: Callable[[Path, str], TrackerBase]  # (project_dir, project_name) -> tracker
 
 
-_TRACKERS: Final[dict[str, _Entry]] = {
+_TRACKERS: Final[Mapping[str, _Entry]] = MappingProxyType({
     "jsonl": _Entry(None, lambda root, _: JSONLTracker(root / "metrics.jsonl")),
     "csv": _Entry(None, lambda root, _: CSVTracker(root / "metrics.csv")),
     "tensorboard": _Entry(
@@ -43,7 +45,7 @@ _TRACKERS: Final[dict[str, _Entry]] = {
         ),
     ),
     "wandb": _Entry("wandb", lambda root, project: WandbTracker(root, project=project)),
-}
+})
 _ALL: Final = "all"
 
 

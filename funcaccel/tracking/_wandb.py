@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Final
 from typing import Literal
 from typing import Protocol
@@ -32,7 +33,7 @@ WandbMode: TypeAlias = Literal["online", "offline", "disabled"]
 _MODES: Final[tuple[WandbMode, ...]] = ("online", "offline", "disabled")
 
 # Arguments of wandb.init the tracker sets itself, with where each comes from.
-_OWN_ARGUMENTS: Final = {
+_OWN_ARGUMENTS: Final = MappingProxyType({
     "dir": "the tracker's dir",
     "project": "project=",
     "name": "run_name=",
@@ -40,7 +41,7 @@ _OWN_ARGUMENTS: Final = {
     "settings": "mode=",
     "reinit": "the tracker (each tracker makes its own run)",
     "config": "store_config",
-}
+})
 
 
 class _Config(Protocol):

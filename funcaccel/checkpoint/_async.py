@@ -1,0 +1,194 @@
+"""Asynchronous checkpoints: staged in CPU memory, written in a thread, committed in wait().
+
+``save_checkpoint(..., asynchronous=True)`` copies the state to be written
+(``stage``: a deep copy, every tensor cloned onto the CPU) and returns a
+``PendingCheckpoint`` while a background thread writes and fsyncs this rank's
+files. ``PendingCheckpoint.wait()`` joins the thread; then the ranks agree that all
+of them wrote, and rank 0 writes the manifest, renames the directory into place
+and moves ``latest``, exactly as a synchronous save ends. The thread never
+communicates, so it cannot interleave with the training loop's collectives.
+
+No registry of pending saves is kept: the caller threads the handle, passing it
+to the next ``save_checkpoint(..., pending=handle)`` (which completes it first)
+or calling ``handle.wait()``. While a save is pending, rank 0 keeps a marker file
+naming this host and process in its temporary directory, so that a next save
+into the same directory that forgot the handle is refused (it would otherwise
+take the same number and delete the files being written), while a marker a
+killed process left behind is recognised as stale and cleaned up.
+
+>>> state = {"w": torch.ones(2)}
+>>> staged = stage(state)
+>>> _ = state["w"].add_(1)  # training goes on
+>>> staged["w"].tolist()
+[1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import threading
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+import torch
+
+from funcaccel.checkpoint._manifest import FileEntry
+from funcaccel.collectives import guard_collective
+from funcaccel.context import DistributedContext
+
+__all__ = ["PendingCheckpoint", "own_pending_save", "stage"]
+
+Finish = Callable[[dict[str, FileEntry], str | None], Path]
+_MARKER: Final = ".async-save-"
+
+
+def _marker_name() -> str:
+    return f"{_MARKER}{socket.gethostname()}-{os.getpid()}"
+
+
+def own_pending_save(root: Path) -> str | None:
+    """Return the name of a save into ``root`` this process has not completed.
+
+    A temporary checkpoint directory holding this host's and process's marker is
+    one; a marker of another process is a leftover of a killed run (None).
+    """
+    if not root.is_dir():
+        return None
+    mine = _marker_name()
+    for entry in root.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_dir():
+            if not entry.is_symlink() and (entry / mine).is_file():
+                return entry.name[1:].removesuffix(".tmp")
+    return None
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple, set)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def stage(files: dict[str, object]) -> dict[str, object]:
+    """Return a deep copy of ``files`` whose tensors are fresh CPU copies.
+
+    Tensors that shared memory share it in the copy too (one storage copied once),
+    so ``torch.save`` writes the copy exactly as it would the original.
+    """
+    storages: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    memo: dict[int, object] = {}
+    for tensor in _tensors(files):
+        if id(tensor) in memo:
+            continue
+        if tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
+            memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
+            continue
+        source = tensor.untyped_storage()
+        key = (tensor.device, source.data_ptr())
+        if key not in storages:
+            # The whole storage as bytes, copied onto the CPU in one go.
+            raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            raw.set_(source, 0, (source.nbytes(),), (1,))
+            storages[key] = raw.to("cpu", copy=True).untyped_storage()
+        copied = torch.empty(0, dtype=tensor.dtype)
+        copied.set_(storages[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+        memo[id(tensor)] = copied
+    staged: dict[str, object] = copy.deepcopy(files, memo)
+    return staged
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written in the background.
+
+    Returned by ``save_checkpoint(..., asynchronous=True)`` on every rank. Until
+    ``wait()`` has run (on every rank), the checkpoint is not complete and
+    ``latest`` still names the previous one.
+
+    Attributes:
+        path: where the checkpoint will be once complete, ``directory/checkpoint-N``.
+    """
+
+    def __init__(
+        self,
+        ctx: DistributedContext,
+        root: Path,
+        path: Path,
+        temporary: Path,
+        write: Callable[[], dict[str, FileEntry]],
+        finish: Finish,
+        *,
+        error: str | None = None,
+    ) -> None:
+        self.path = path
+        self._ctx = ctx
+        self._root = root
+        self._finish = finish
+        self._entries: dict[str, FileEntry] = {}
+        self._error = error  # staging failed: nothing to write
+        self._cause: BaseException | None = None
+        self._outcome: Path | BaseException | None = None
+
+        def run() -> None:
+            if self._error is not None:
+                return
+            try:
+                self._entries = write()
+            except Exception as failure:  # any failure is reported by wait()
+                self._error = f"writing into {path.parent / ('.' + path.name + '.tmp')} failed in the background: {type(failure).__name__}: {failure}"
+                self._cause = failure
+
+        self._thread = threading.Thread(
+            target=run, name=f"funcaccel-save-{path.name}", daemon=False
+        )
+        self._marker = temporary / _marker_name()
+        if ctx.is_main_process and self._error is None:
+            self._marker.touch()
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Return whether the background writing has finished (no waiting, not collective)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Finish the save: join the writer, then commit (collective, every rank).
+
+        Every rank must call it, or pass the handle to the next
+        ``save_checkpoint(..., pending=handle)``, which calls it. A second call returns (or raises) as the first.
+
+        Returns:
+            The complete checkpoint's path, now named by ``directory/latest``.
+
+        Raises:
+            RuntimeError: a rank's background writing failed (its error is
+                chained), or committing failed; raised on every rank, and the
+                previous checkpoint stays current.
+        """
+        if self._outcome is None:
+            self._thread.join()
+            try:
+                if self._ctx.is_main_process:
+                    self._marker.unlink(missing_ok=True)
+                guard_collective(self._ctx, "PendingCheckpoint.wait")
+                self._outcome = self._finish(self._entries, self._error)
+            except BaseException as failure:
+                self._outcome = failure
+                if self._cause is not None and failure.__cause__ is None:
+                    failure.__cause__ = self._cause
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def __repr__(self) -> str:
+        state = "writing" if not self.done() else "written"
+        if self._outcome is not None:
+            state = "failed" if isinstance(self._outcome, BaseException) else "complete"
+        return f"PendingCheckpoint(path={str(self.path)!r}, {state})"

@@ -1,0 +1,309 @@
+"""Export a trained model's weights for inference and the Hugging Face ecosystem.
+
+``save_model(ctx, model, directory)`` writes the full (unwrapped, unsharded) state
+dict of a plain, DDP or FSDP2 model as safetensors files laid out as transformers'
+``from_pretrained`` reads them; ``load_model(ctx, model, directory)`` loads such an
+export (or one written by transformers) back into a plain, DDP or FSDP2 model. An
+export holds weights only: resume training from ``save_checkpoint`` instead.
+
+>>> import tempfile
+>>> from safetensors.torch import load_file
+>>> with tempfile.TemporaryDirectory() as run:
+...     out = save_model(DistributedContext(), nn.Linear(2, 1), f"{run}/model")
+...     sorted(p.name for p in out.iterdir()), sorted(load_file(out / "model.safetensors"))
+(['model.safetensors'], ['bias', 'weight'])
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Final
+
+import torch
+from torch import nn
+
+from funcaccel._checks import check_bool
+from funcaccel._checks import summary
+from funcaccel._checks import type_name
+from funcaccel._dist_types import is_dtensor
+from funcaccel.checkpoint import _export_files
+from funcaccel.checkpoint._agree import _all_gather
+from funcaccel.checkpoint._agree import _raise_failures
+from funcaccel.checkpoint._export_dir import commit_export
+from funcaccel.checkpoint._export_dir import export_source
+from funcaccel.checkpoint._export_dir import prepare_export
+from funcaccel.checkpoint._export_plan import index_name
+from funcaccel.checkpoint._export_plan import parse_shard_size
+from funcaccel.checkpoint._export_plan import plan_export
+from funcaccel.checkpoint._export_plan import plan_shards
+from funcaccel.checkpoint._export_plan import shard_names
+from funcaccel.checkpoint._export_plan import tied_names
+from funcaccel.collectives import guard_collective
+from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+from funcaccel.model import unwrap_model
+
+__all__ = ["load_model", "save_model"]
+
+_LISTED: Final = 10
+
+
+def _check_call(ctx: object, model: object, directory: object, caller: str) -> Path:
+    if not isinstance(ctx, DistributedContext):
+        msg = f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} ({type_name(ctx)}). Build one with build_context()."
+        raise TypeError(msg)
+    if not isinstance(model, nn.Module):
+        msg = f"{caller}: model must be a torch.nn.Module (wrapped or not); got {summary(model)} ({type_name(model)})."
+        raise TypeError(msg)
+    if not isinstance(directory, (str, os.PathLike)):
+        msg = f"{caller}: directory must be a str or os.PathLike; got {summary(directory)} ({type_name(directory)})."
+        raise TypeError(msg)
+    require_process_group(ctx, caller)
+    return Path(directory)
+
+
+def _for_file(tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``tensor`` on the CPU, owning its whole storage (copied only if needed)."""
+    tensor = tensor.detach().cpu()
+    owns = (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+    return tensor if owns else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def save_model(
+    ctx: DistributedContext,
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+) -> Path:
+    """Export ``model``'s full weights into ``directory`` (collective; rank 0 writes).
+
+    Every rank calls it; ``model`` is not changed. The unwrapped state dict is
+    written as transformers writes it: ``model.safetensors`` when it fits in
+    ``max_shard_size``, else ``model-00001-of-0000N.safetensors`` ... and
+    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``);
+    ``safe_serialization=False`` writes ``pytorch_model.bin`` (or its shards and
+    ``pytorch_model.bin.index.json``) with ``torch.save``, weights only.
+
+    FSDP2 parameters are gathered one tensor at a time (``DTensor.full_tensor()``
+    on every rank) and rank 0 holds at most one file's tensors at once, writing
+    each file as it fills. Tied weights (one tensor under two names, e.g.
+    ``lm_head.weight`` and ``embed_tokens.weight``) are written once, under the
+    first name in state-dict order, as transformers does; loading into a model
+    that ties them fills both. With 2 FSDP2 ranks and ``max_shard_size="1GB"`` on a
+    2.5 GB model, both ranks gather each tensor, and rank 0 writes
+    ``model-00001-of-00003.safetensors`` once its first 1 GB is gathered, then
+    the next two files and the index.
+
+    The export replaces ``directory``'s previous weights atomically: it is
+    written into ``.<name>.export.tmp`` beside it, fsynced, then swapped in, so a
+    process killed at any moment leaves the previous export loadable. Other files
+    in ``directory`` (``config.json``, a tokenizer) are kept.
+
+    Args:
+        ctx: the distributed context.
+        model: the model, plain, DDP-wrapped or sharded by FSDP2.
+        directory: where the export goes, seen by rank 0 (created if missing).
+        max_shard_size: the largest file, in bytes or as a string: ``"5GB"`` is
+            5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30 (also KB, MB, KiB, MiB).
+        safe_serialization: safetensors (``True``) or ``torch.save`` files.
+
+    Returns:
+        ``Path(directory)``, on every rank once the export is complete.
+
+    Raises:
+        TypeError: an argument of the wrong type, or a state-dict value that is
+            not a tensor.
+        ValueError: a bad ``max_shard_size``, or ranks holding different models.
+        RuntimeError: writing failed (raised on every rank; the previous export
+            is unchanged), no process group matching ``ctx``, or a rank that did
+            not call it within ``ctx.collective_timeout``.
+    """
+    caller = "save_model"
+    root = _check_call(ctx, model, directory, caller)
+    limit = parse_shard_size(max_shard_size, caller=caller)
+    safe = check_bool(caller, "safe_serialization", safe_serialization)
+    module = unwrap_model(model)
+    entries, _ = plan_export(module, caller=caller)
+    shards = plan_shards(entries, limit)
+    names = shard_names(len(shards), safe=safe)
+    guard_collective(ctx, caller)
+    if any(plan != entries for plan in _all_gather(ctx, entries)):
+        msg = f"{caller}: the ranks' models have different state dicts (names, shapes or dtypes); every rank must pass its replica or shards of the same model."
+        raise ValueError(msg)
+    failed = "the export was not written (the previous one, if any, is unchanged)"
+    temporary: Path | None = None
+    error: str | None = None
+    if ctx.is_main_process:
+        try:
+            temporary = prepare_export(root)
+        except OSError as failure:
+            error = f"cannot prepare {root}: {failure}"
+    _raise_failures(_all_gather(ctx, error), failed, caller)
+    # Without sharded tensors only rank 0 has work; with them every rank gathers
+    # each tensor in plan order, and the ranks agree after each file to stop together.
+    sharded = any(entry.sharded for entry in entries)
+    state = module.state_dict()
+    for shard, name in zip(shards, names, strict=True):
+        if not (sharded or ctx.is_main_process):
+            break
+        tensors: dict[str, torch.Tensor] = {}
+        for entry in shard:
+            value = state[entry.name]
+            full = value.full_tensor() if is_dtensor(value) else value
+            if ctx.is_main_process:
+                tensors[entry.name] = _for_file(full)
+        if temporary is not None and error is None:
+            try:
+                _export_files.write_shard(tensors, temporary / name, safe=safe)
+            except (OSError, RuntimeError, ValueError) as failure:
+                error = f"writing {temporary / name} failed: {failure}"
+        del tensors
+        if sharded and any(e is not None for e in _all_gather(ctx, error)):
+            break
+    if temporary is not None:
+        try:
+            if error is None and len(shards) > 1:
+                weight_map = {e.name: n for s, n in zip(shards, names, strict=True) for e in s}
+                total = sum(e.nbytes for e in entries)
+                _export_files.write_index(temporary / index_name(safe=safe), weight_map, total)
+            if error is None:
+                commit_export(root, temporary)
+        except OSError as failure:
+            error = f"committing {temporary} into {root} failed: {failure}"
+        if error is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+    _raise_failures(_all_gather(ctx, error), failed, caller)
+    return root
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_LISTED])
+    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
+
+
+def _mismatches(
+    module: nn.Module, saved: dict[str, _export_files.SavedTensor], root: Path, caller: str
+) -> str | None:
+    """Describe how the export in ``root`` does not fit ``module``, or ``None``."""
+    state = module.state_dict()
+    tied = tied_names(module, state)
+    groups: dict[str, set[str]] = {}
+    for name in state:
+        kept = tied.get(name, name)
+        groups.setdefault(kept, set()).add(name)
+    missing = [
+        name
+        for name in state
+        if name not in saved and not groups[tied.get(name, name)] & saved.keys()
+    ]
+    unexpected = [key for key in saved if key not in state]
+    shapes = [
+        f"{key}: saved {list(entry.shape)}, model {list(state[key].shape)}"
+        for key, entry in saved.items()
+        if key in state
+        and isinstance(state[key], torch.Tensor)
+        and tuple(state[key].shape) != entry.shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys (in the model, not in the export): {_listed(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys (in the export, not in the model): {_listed(unexpected)}")
+    if shapes:
+        problems.append(f"different shapes: {_listed(shapes)}")
+    if not problems:
+        return None
+    return (
+        f"{caller}: the export in {root} does not fit the model; "
+        + "; ".join(problems)
+        + ". Pass the architecture (and configuration) that was exported."
+    )
+
+
+def _placed(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Return the file's full ``value`` laid out like the model's ``target``."""
+    value = value.to(dtype=target.dtype)
+    if not is_dtensor(target):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    # Every rank read the whole tensor, so each cuts its own part: no communication.
+    return distribute_tensor(
+        value.to(target.device),
+        target.device_mesh,
+        target.placements,
+        src_data_rank=None,
+    )
+
+
+def load_model(
+    ctx: DistributedContext, model: nn.Module, directory: str | os.PathLike[str]
+) -> tuple[str, ...]:
+    """Load an export into ``model``'s parameters and buffers, in place (collective).
+
+    Reads what ``save_model`` (or transformers' ``save_pretrained``) wrote: the
+    safetensors index and files, or ``pytorch_model.bin`` ones. Every rank reads
+    the files itself, one file at a time, and copies in its part: the whole
+    tensors into a plain or DDP model, its shards into an FSDP2 one. A tied
+    weight exported once fills every name it has in ``model``. Nothing is loaded
+    unless the export fits: the same names (tied names aside) and shapes. With 2
+    FSDP2 ranks, each reads ``model-00001-of-00002.safetensors`` and keeps its half
+    of every tensor, then the second file.
+
+    Args:
+        ctx: the distributed context.
+        model: the model to fill, plain, DDP-wrapped or sharded by FSDP2.
+        directory: the export, seen by every rank.
+
+    Returns:
+        The names loaded, in file order (a tied weight's duplicate names are not
+        listed).
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: no export in ``directory``, a damaged or crafted one (a file
+            name leading out of it), or one that does not fit ``model``: the
+            message names every missing and unexpected key and both shapes of
+            each mismatch. Raised on every rank when any rank finds it.
+        RuntimeError: no process group matching ``ctx``, or a rank that did not
+            call it within ``ctx.collective_timeout``.
+    """
+    caller = "load_model"
+    root = _check_call(ctx, model, directory, caller)
+    module = unwrap_model(model)
+    source = export_source(root)
+    guard_collective(ctx, caller)
+    problem: ValueError | None = None
+    try:
+        safe, saved = _export_files.read_layout(source, caller=caller)
+        mismatch = _mismatches(module, saved, root, caller)
+        if mismatch is not None:
+            problem = ValueError(mismatch)
+    except ValueError as failure:
+        problem = failure
+    errors = _all_gather(ctx, None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    if any(e is not None for e in errors):
+        msg = f"{caller}: {root} cannot be loaded; " + "; ".join(
+            f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None
+        )
+        raise ValueError(msg)
+    state = module.state_dict()
+    loaded: list[str] = []
+    for file in dict.fromkeys(entry.file for entry in saved.values()):
+        tensors = _export_files.read_shard(source / file, safe=safe, caller=caller)
+        part = {k: _placed(v, state[k]) for k, v in tensors.items()}
+        del tensors
+        with torch.no_grad():
+            module.load_state_dict(part, strict=False)
+        loaded.extend(part)
+    return tuple(loaded)

@@ -1,0 +1,254 @@
+"""save_checkpoint(..., asynchronous=True): staged values, wait(), failures, kills, 2 ranks.
+
+The background writer is held back with an event where a test must change the
+model while the files are still being written.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.spawn import ProcessExitedException
+
+import funcaccel.checkpoint._layout
+from funcaccel.checkpoint import PendingCheckpoint
+from funcaccel.checkpoint import latest_checkpoint
+from funcaccel.checkpoint import list_checkpoints
+from funcaccel.checkpoint import load_checkpoint
+from funcaccel.checkpoint import read_checkpoint_meta
+from funcaccel.checkpoint import save_checkpoint
+from funcaccel.context import DistributedContext
+from funcaccel.model import FSDPOptions
+from funcaccel.model import unwrap_model
+from funcaccel.model import wrap_model
+from tests._dist import run_processes
+from tests._dist import run_ranks
+
+ONE = DistributedContext()
+Tensors = dict[str, torch.Tensor]
+_write = funcaccel.checkpoint._layout.write_torch_file
+
+
+def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 1) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 3)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _copy(model: nn.Module) -> Tensors:
+    return {k: v.detach().clone() for k, v in unwrap_model(model).state_dict().items()}
+
+
+def _same(a: Tensors, b: Tensors) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _held_writer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, list[str]]:
+    """Make the background writer wait for the event before each file."""
+    release, threads = threading.Event(), []
+
+    def held(obj: object, path: Path) -> tuple[int, str]:
+        threads.append(threading.current_thread().name)
+        assert release.wait(timeout=60)
+        return _write(obj, path)
+
+    monkeypatch.setattr(funcaccel.checkpoint._layout, "write_torch_file", held)
+    return release, threads
+
+
+def test_the_checkpoint_holds_the_staged_values_not_later_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    _train(model, opt)
+    saved_params = _copy(model)
+    saved_momentum = [s["momentum_buffer"].clone() for s in opt.state.values()]
+    release, threads = _held_writer(monkeypatch)
+    pending = save_checkpoint(
+        ONE, tmp_path, models=model, optimizers=opt, extra={"n": 1}, asynchronous=True
+    )
+    assert isinstance(pending, PendingCheckpoint)
+    assert pending.path == tmp_path / "checkpoint-000001"
+    _train(model, opt, steps=3)  # training goes on while nothing is written yet
+    assert not pending.done() and latest_checkpoint(tmp_path) is None
+    release.set()
+    assert pending.wait() == tmp_path / "checkpoint-000001"
+    assert pending.done() and pending.wait() == pending.path  # a second wait returns too
+    assert set(threads) == {"funcaccel-save-checkpoint-000001"}
+    assert latest_checkpoint(tmp_path) == pending.path
+    fresh, fresh_opt = _model(seed=1)
+    loaded = load_checkpoint(ONE, pending.path, models=fresh, optimizers=fresh_opt)
+    assert loaded.extra == {"n": 1}
+    assert _same(_copy(fresh), saved_params) and not _same(_copy(model), saved_params)
+    momentum = [s["momentum_buffer"] for s in fresh_opt.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, saved_momentum, strict=True))
+
+
+def test_an_async_checkpoint_has_the_files_and_hashes_of_a_sync_one(
+    tmp_path: Path,
+) -> None:
+    model, opt = _model()
+    _train(model, opt)
+    sync = save_checkpoint(ONE, tmp_path / "sync", models=model, optimizers=opt, save_rng=False)
+    pending = save_checkpoint(
+        ONE, tmp_path / "async", models=model, optimizers=opt, save_rng=False, asynchronous=True
+    )
+    meta_sync = read_checkpoint_meta(sync, verify=True)
+    meta_async = read_checkpoint_meta(pending.wait(), verify=True)
+    assert meta_async.files == meta_sync.files  # byte-identical files
+
+
+def test_the_next_save_completes_a_pending_one_passed_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    release, _ = _held_writer(monkeypatch)
+    first = save_checkpoint(ONE, tmp_path, models=model, asynchronous=True)
+    with pytest.raises(
+        RuntimeError,
+        match=r"save_checkpoint: .*an asynchronous save into .* \(checkpoint-000001\) is still pending; pass its PendingCheckpoint as save_checkpoint\(\.\.\., pending=handle\)",
+    ):
+        save_checkpoint(ONE, tmp_path, models=model)  # forgot the handle: refused
+    assert not first.done()  # the refused save touched nothing
+    threading.Timer(0.2, release.set).start()
+    second = save_checkpoint(ONE, tmp_path, models=model, keep_last=1, pending=first)
+    assert first.done() and first.wait() == tmp_path / "checkpoint-000001"
+    assert second == tmp_path / "checkpoint-000002" == latest_checkpoint(tmp_path)
+    assert list_checkpoints(tmp_path) == [second]
+    assert not list(tmp_path.rglob(".async-save-*"))  # no marker left behind
+
+
+def test_a_marker_left_by_a_killed_process_does_not_block_the_next_save(
+    tmp_path: Path,
+) -> None:
+    model, _ = _model()
+    stale = tmp_path / ".checkpoint-000001.tmp"
+    stale.mkdir(parents=True)
+    (stale / ".async-save-otherhost-1").touch()
+    assert save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000001"
+
+
+def test_a_background_failure_is_raised_by_wait_and_the_previous_stays_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    previous = save_checkpoint(ONE, tmp_path, models=model)
+
+    def failing(obj: object, path: Path) -> tuple[int, str]:
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(funcaccel.checkpoint._layout, "write_torch_file", failing)
+    pending = save_checkpoint(ONE, tmp_path, models=model, asynchronous=True)
+    with pytest.raises(
+        RuntimeError,
+        match=r"save_checkpoint: the checkpoint was not written \(the previous one is still the latest\); rank 0: writing into .*checkpoint-000002.tmp failed in the background: OSError: disk full",
+    ) as raised:
+        pending.wait()
+    assert isinstance(raised.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="disk full"):
+        pending.wait()  # the same failure again, no second commit
+    assert latest_checkpoint(tmp_path) == previous
+    monkeypatch.setattr(funcaccel.checkpoint._layout, "write_torch_file", _write)
+    assert save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000002"
+
+
+def test_asynchronous_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"save_checkpoint: asynchronous must be a bool; got 1 \(int\)"):
+        save_checkpoint(ONE, tmp_path, models=nn.Linear(1, 1), asynchronous=1)  # type: ignore[call-overload]
+    assert not tmp_path.joinpath("checkpoint-000001").exists()
+
+
+# --- a process killed while the background thread writes ---------------------------
+
+
+def _async_save_then_die(rank: int, world: int, tmp: Path, root: Path) -> None:
+    del rank, world, tmp  # one process, no group
+    model, _ = _model()
+    save_checkpoint(ONE, root, models=model, extra={"which": "first"})
+
+    def dying_write(obj: object, path: Path) -> tuple[int, str]:
+        _write(obj, path)
+        path.write_bytes(path.read_bytes()[:64])  # the kill cut the file short
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+    funcaccel.checkpoint._layout.write_torch_file = dying_write
+    pending = save_checkpoint(ONE, root, models=model, extra={"which": "second"}, asynchronous=True)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=100)
+    pending.wait()
+
+
+@pytest.mark.distributed
+def test_a_kill_during_an_async_write_leaves_the_previous_checkpoint_latest(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    with pytest.raises(ProcessExitedException, match="SIGKILL"):
+        run_processes(_async_save_then_die, 1, tmp_path / "worker", root)
+    latest = latest_checkpoint(root)
+    assert latest is not None and latest.name == "checkpoint-000001"
+    model, _ = _model(seed=3)
+    assert load_checkpoint(ONE, latest, models=model).extra == {"which": "first"}
+    assert [p.name for p in list_checkpoints(root)] == ["checkpoint-000001"]
+    assert (root / ".checkpoint-000002.tmp").is_dir()
+    after = save_checkpoint(ONE, root, models=model)
+    assert after.name == "checkpoint-000002" and latest_checkpoint(root) == after
+
+
+# --- 2 gloo processes -------------------------------------------------------------
+
+
+def _ddp_async(ctx: DistributedContext, root: Path, fsdp: bool) -> dict[str, object]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    model = wrap_model(ctx, net, fsdp=FSDPOptions()) if fsdp else wrap_model(ctx, net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(ctx.process_index)
+    _train(model, opt)
+    staged = _full(model)
+    pending = save_checkpoint(ctx, root, models=model, optimizers=opt, asynchronous=True)
+    _train(model, opt, steps=2)  # every rank trains on before waiting
+    path = pending.wait()
+    torch.manual_seed(7)
+    fresh_net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    fresh = wrap_model(ctx, fresh_net, fsdp=FSDPOptions()) if fsdp else wrap_model(ctx, fresh_net)
+    load_checkpoint(ctx, path, models=fresh, optimizers=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    loaded = _full(fresh)
+    return {"path": path, "staged": staged, "loaded": loaded}
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in unwrap_model(model).state_dict().items()
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_save_asynchronously_and_wait_on_each(tmp_path: Path, fsdp: bool) -> None:
+    root = tmp_path / "run"
+    results = run_ranks(_ddp_async, 2, tmp_path / "ranks", root, fsdp)
+    for result in results:
+        assert result["path"] == root / "checkpoint-000001"
+        assert _same(result["loaded"], result["staged"])  # type: ignore[arg-type]
+    meta = read_checkpoint_meta(root / "checkpoint-000001", verify=True)
+    assert {"rng_rank_0.pt", "rng_rank_1.pt"} <= set(meta.files)
+    assert meta.state_format == ("dcp" if fsdp else "torch")
