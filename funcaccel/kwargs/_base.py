@@ -10,8 +10,6 @@ import dataclasses
 from typing import Any
 from typing import ClassVar
 
-from funcaccel.checkpoint import save_checkpoint  # an upward import, to show the check
-
 __all__ = ["KwargsHandler"]
 
 
