@@ -117,16 +117,21 @@ def _experiment_id(
 
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
-        return experiment.experiment_id
+        found: str = experiment.experiment_id
+        return found
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        created: str = client.create_experiment(
+            name, artifact_location=artifact_location
+        )
+        return created
     except MlflowException as error:
         # Another rank (main_process_only=False) created it in the meantime.
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     experiment = client.get_experiment_by_name(name)
     assert experiment is not None, name
-    return experiment.experiment_id
+    existing: str = experiment.experiment_id
+    return existing
 
 
 class MLflowTracker(TrackerBase):
