@@ -28,6 +28,7 @@ from torch.utils.data import BatchSampler
 from torch.utils.data import DataLoader
 
 import funcaccel as fa
+from funcaccel import accumulate as _accumulate
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.checkpoint import _agree
@@ -78,7 +79,23 @@ def _step(ctx: DistributedContext = ONE, **kwargs: object) -> object:
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = kwargs.pop("loss", lambda: model(torch.ones(1, 1)).sum())
-    return accumulate_step(ctx, GradState(), model, optimizer, loss, **kwargs)  # type: ignore[arg-type]
+    grad = kwargs.pop("grad", GradState())
+    return accumulate_step(ctx, grad, model, optimizer, loss, **kwargs)  # type: ignore[arg-type]  # type: ignore[arg-type]
+
+
+def _plain_model_on_two_ranks(_: Path) -> object:
+    # Rank 0 of two, past the process-group check (no group here).
+    model = nn.Sequential(nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mock.patch.object(_accumulate, "require_process_group"):
+        return accumulate_step(
+            _world(2),
+            GradState(),
+            model,
+            optimizer,
+            lambda: model(torch.ones(1, 1)).sum(),
+            num_items=2,
+        )
 
 
 def _schedule(
@@ -274,8 +291,19 @@ def _cpu_only(activity: str) -> object:
 
 def _csv_new_column(tmp_path: Path) -> None:
     tracker = fa.CSVTracker(tmp_path / "m.csv")
-    tracker.log({"loss": 1.0}, step=0)
-    tracker.log({"acc": 1.0}, step=1)
+    try:
+        tracker.log({"loss": 1.0}, step=0)
+        tracker.log({"acc": 1.0}, step=1)
+    finally:
+        tracker.finish()
+
+
+def _reserved_key(tmp_path: Path) -> None:
+    tracker = fa.JSONLTracker(tmp_path / "m.jsonl")
+    try:
+        tracker.log({"step": 1.0})
+    finally:
+        tracker.finish()
 
 
 def _finished(tmp_path: Path) -> None:
@@ -321,6 +349,26 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "(split_batches=True) and 2 if not, ...": lambda _: _schedule(_world(2)),
     "RuntimeError: accumulate_step: ctx has num_processes=2 but no default "
     "process group is initialised; ...": lambda _: _step(_world(2)),
+    "TypeError: accumulate_step: num_items must be an int or a 0-dim integer tensor "
+    "...; got 2.0 (float).": lambda _: _step(num_items=2.0),
+    "ValueError: accumulate_step: num_items must be an int or a 0-dim integer "
+    "tensor; got tensor(shape=(2,), dtype=torch.int64). ...": lambda _: _step(
+        num_items=torch.tensor([1, 2])
+    ),
+    "ValueError: accumulate_step: num_items was given, but the open accumulation "
+    "window (micro_step=1) was started with mean losses, ...": lambda _: _step(
+        grad=GradState(accumulation_steps=2, micro_step=1, sync_gradients=False),
+        num_items=2,
+    ),
+    "ValueError: accumulate_step: num_items=None, but the open accumulation window "
+    "is token-weighted (window_items=4 after 1 micro-steps); ...": lambda _: _step(
+        grad=GradState(
+            accumulation_steps=2, micro_step=1, sync_gradients=False, window_items=4
+        )
+    ),
+    "ValueError: accumulate_step: num_items= with 2 processes needs every trained "
+    "model's gradients averaged over the ranks, but model 0 is a plain Sequential; "
+    "...": _plain_model_on_two_ranks,
     # model.md
     "ValueError: wrap_model: comm_hook='bf16' needs a CUDA (NCCL) or XPU (XCCL) "
     "device, but ctx.device is cpu (backend 'gloo'), ...": lambda _: wrap_model(
@@ -368,7 +416,7 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "ValueError: load_checkpoint: ckpt/manifest.json is missing, so ckpt is not a "
     "complete checkpoint ...": _no_manifest,
     "ValueError: load_checkpoint: .../model_0.pt does not fit models[0] "
-    "(RuntimeError: ...); pass the same models as when the checkpoint was "
+    "(shape mismatch: ...); pass the same models as when the checkpoint was "
     "saved.": lambda t: fa.load_checkpoint(ONE, _saved(t), models=nn.Linear(3, 3)),
     "ValueError: load_checkpoint: .../model_0.pt has 1894 bytes but the manifest "
     "records 1893 (truncated?); the checkpoint is damaged (or crafted), load an "
@@ -377,7 +425,8 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "models[0] is sharded by FSDP2; ...": _unsharded_into_fsdp,
     "ValueError: latest_checkpoint: ckpt/latest names 'checkpoint-000003', which is "
     "not a complete checkpoint in ckpt; ...": _stale_latest,
-    "RuntimeError: save_checkpoint: the checkpoint was not written; rank 1: "
+    "RuntimeError: save_checkpoint: the checkpoint was not written (the previous one "
+    "is still the latest); rank 1: "
     "...": lambda _: _agree._raise_failures(
         [None, "OSError: disk full"], _save_load._FAILED, "save_checkpoint"
     ),
@@ -390,8 +439,10 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         (["data"], [((4, 12), "torch.float32")]), torch.zeros(4, 16)
     ),
     "ValueError: gather: data has a different structure on different ranks "
-    "(...)": lambda _: _two_ranks_gather(
-        (["data['y']"], [((4,), "torch.float32")]), {"x": torch.zeros(4)}
+    "(...); pass the same nesting, keys and key order on every rank.": lambda _: (
+        _two_ranks_gather(
+            (["data['y']"], [((4,), "torch.float32")]), {"x": torch.zeros(4)}
+        )
     ),
     "ValueError: reduce: reduction must be 'sum', 'mean', 'max' or 'none' (the "
     "sum); got 'min'.": lambda _: fa.reduce(ONE, torch.ones(1), reduction="min"),  # type: ignore[arg-type]
@@ -549,7 +600,8 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         fa.shard_loader(_world(2), _loader(), rng_types=["torch"])
     ),
     "ValueError: shard_loader: dispatch_batches=True cannot concatenate the 2 "
-    "batches of global batch 3: leaf 'input_ids' has shapes (4, 16) and (4, 12); "
+    "batches of global batch 3: leaf batch['input_ids'] has "
+    "shapes (4, 16) and (4, 12); "
     "...": _undispatchable,
     # profiler.md
     "ValueError: build_profiler: nothing was recorded to export to "
@@ -577,14 +629,14 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     ),
     "ValueError: shard_iterable_dataset: batch_size (0) must be >= 1; pass a larger "
     "value.": lambda _: fa.shard_iterable_dataset(_Stream(), batch_size=0),
-    "TypeError: ...: batch_sampler.drop_last must be a bool, ...": lambda _: (
+    "TypeError: ...: batch_sampler.drop_last must be a bool; got ...": lambda _: (
         fa.shard_batch_sampler(_Sampler(), num_processes=1, process_index=0)  # type: ignore[arg-type]
     ),
     "TypeError: ShardedIterableDataset.__len__: the dataset (...) has no len(); "
     "...": lambda _: len(fa.shard_iterable_dataset(_Stream())),
     # tracking.md
     "TypeError: log_metrics: trackers must be a list of trackers; got "
-    "<...JSONLTracker ...>. Wrap a single tracker in a list: [tracker].": lambda t: (
+    "<...JSONLTracker ...> (JSONLTracker). Wrap a single tracker in a list: [tracker].": lambda t: (
         fa.log_metrics(ONE, fa.JSONLTracker(t / "m.jsonl"), {"loss": 1.0})  # type: ignore[arg-type]
     ),
     "TypeError: log_metrics: trackers[0] is ... which lacks the Tracker methods "
@@ -602,7 +654,7 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         fa.InMemoryTracker().store_init_configuration({"betas": (0.9, 0.99)})  # type: ignore[dict-item]
     ),
     "ValueError: JSONLTracker.log: 'step' is a reserved key of each record; "
-    "...": lambda t: fa.JSONLTracker(t / "m.jsonl").log({"step": 1.0}),
+    "...": _reserved_key,
     "ValueError: CSVTracker.log: metric 'acc' has no column of its own; the columns "
     "are ['step', 'time', 'loss']. ...": _csv_new_column,
     "ValueError: JSONLTracker.log: the tracker was finished; ...": _finished,
