@@ -76,7 +76,7 @@ def test_autocast_ctx_returns_a_fresh_unentered_context() -> None:
 
 def test_autocast_ctx_rejects_bad_arguments() -> None:
     with pytest.raises(
-        TypeError, match=r"autocast_ctx: ctx must be a Distributed.*got str"
+        TypeError, match=r"autocast_ctx: ctx must be a Distributed.*got 'bf16' \(str\)"
     ):
         autocast_ctx("bf16")  # type: ignore[arg-type]
     with pytest.raises(
