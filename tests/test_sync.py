@@ -57,18 +57,20 @@ def _window(ctx: DistributedContext, mode: Mode) -> tuple[list[torch.Tensor], ..
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("mode", ["trigger", "sync_after"])
 def test_the_syncing_backward_leaves_the_mean_of_the_accumulated_gradients(
-    tmp_path: Path, mode: Mode
+    tmp_path: Path, mode: Mode, world: int
 ) -> None:
-    for got, _, mean in run_ranks(_window, 2, tmp_path, mode):
+    for got, _, mean in run_ranks(_window, world, tmp_path, mode):
         for g, m in zip(got, mean, strict=True):
             torch.testing.assert_close(g, m)
 
 
 @pytest.mark.distributed
-def test_without_sync_in_backward_gradients_stay_local(tmp_path: Path) -> None:
-    results = run_ranks(_window, 2, tmp_path, "local")
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_sync_in_backward_gradients_stay_local(tmp_path: Path, world: int) -> None:
+    results = run_ranks(_window, world, tmp_path, "local")
     for got, local, _ in results:
         for g, want in zip(got, local, strict=True):
             torch.testing.assert_close(g, want)
