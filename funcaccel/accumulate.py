@@ -404,14 +404,7 @@ def accumulate_step(
         m = grad.micro_step + 1
         if m < k:
             rescale_grads_(optimizers, k / m)
-        if max_grad_norm is not None:
-            clip_grad_norm_(
-                optimizer_parameters(optimizers),
-                max_grad_norm,
-                scaler=scaler,
-                optimizer=optimizers,
-            )
-        skipped = optimizer_step(optimizers, scaler=scaler)
+        skipped = _clip_and_step(optimizers, max_grad_norm, scaler)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
     return loss.detach(), next_grad_state(grad, synced, end_of_dataloader, skipped)
@@ -474,17 +467,26 @@ def _token_weighted_step(
         # one process holds the sum itself, p = 1), so p / total gives the sum over
         # ranks divided by the window's item count.
         rescale_grads_(optimizers, p / total)
-        if max_grad_norm is not None:
-            clip_grad_norm_(
-                optimizer_parameters(optimizers),
-                max_grad_norm,
-                scaler=scaler,
-                optimizer=optimizers,
-            )
-        skipped = optimizer_step(optimizers, scaler=scaler)
+        skipped = _clip_and_step(optimizers, max_grad_norm, scaler)
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     return shown, next_grad_state(grad, True, end_of_dataloader, skipped)
+
+
+def _clip_and_step(
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    max_grad_norm: float | None,
+    scaler: torch.amp.GradScaler | None,
+) -> bool:
+    """Clip (unscaling first) when asked, then step; return whether the scaler skipped."""
+    if max_grad_norm is not None:
+        clip_grad_norm_(
+            optimizer_parameters(optimizers),
+            max_grad_norm,
+            scaler=scaler,
+            optimizer=optimizers,
+        )
+    return optimizer_step(optimizers, scaler=scaler)
 
 
 def _all_reduce_count(ctx: DistributedContext, local: int) -> int:
