@@ -3,9 +3,9 @@
 Each handler is a keyword-only frozen dataclass validated on construction, so a bad
 value fails where it is written, not deep inside torch. ``to_kwargs()`` returns a
 fresh dict holding only the fields whose value differs from the declared default,
-ready to be splatted into the torch call the handler feeds. ``KwargsHandler`` and
-``ProfileKwargs`` are defined in ``funcaccel.kwargs._base`` and
-``funcaccel.kwargs._profile`` and re-exported here.
+ready to be splatted into the torch call the handler feeds. The base,
+``KwargsHandler``, is in ``_base.py`` and ``ProfileKwargs`` in ``_profile.py``;
+``funcaccel.kwargs`` exports all of them.
 
 >>> GradScalerKwargs(init_scale=1024).to_kwargs()
 {'init_scale': 1024}
@@ -32,11 +32,6 @@ from funcaccel._checks import is_real
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.kwargs._base import KwargsHandler
-from funcaccel.kwargs._profile import PROFILER_ACTIVITIES as PROFILER_ACTIVITIES
-from funcaccel.kwargs._profile import SCHEDULE_KEYS as SCHEDULE_KEYS
-from funcaccel.kwargs._profile import ProfileKwargs
-from funcaccel.kwargs._profile import profiler_activity as profiler_activity
-from funcaccel.kwargs._profile import supported_activities as supported_activities
 
 __all__ = [
     "AutocastKwargs",
@@ -44,8 +39,6 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
-    "KwargsHandler",
-    "ProfileKwargs",
 ]
 
 
