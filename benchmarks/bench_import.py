@@ -1,7 +1,14 @@
 """How much ``import funcaccel`` adds to ``import torch``.
 
-Runs fresh interpreters, interleaving the two commands so that machine noise hits
-both alike, and prints the medians, the spread and the difference as Markdown.
+Runs fresh interpreters, interleaving the commands so that machine noise hits
+them alike, and prints the medians of wall time and of CPU time (user + system of
+the child, which other processes on the machine disturb less), the spread and the
+ratios as Markdown.
+
+The children run with a warm bytecode cache in a temporary folder
+(``PYTHONPYCACHEPREFIX``), as an installed package has after its first import
+(pip compiles a wheel's modules on install). ``--cold`` runs them without one,
+compiling funcaccel from source each time, as with ``PYTHONDONTWRITEBYTECODE=1``.
 
     python benchmarks/bench_import.py --repeats 15
 """
@@ -9,10 +16,14 @@ both alike, and prints the medians, the spread and the difference as Markdown.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,13 +39,31 @@ COMMANDS = {
 }
 
 
-def _time_once(code: str) -> float:
+def _child_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _time_once(code: str, env: Mapping[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds of one fresh interpreter running ``code``."""
+    cpu = _child_cpu()
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-    return time.perf_counter() - start
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+    return time.perf_counter() - start, _child_cpu() - cpu
 
 
-def _self_time_of_funcaccel() -> float:
+def _child_env(cache: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if cache is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env["PYTHONPYCACHEPREFIX"] = cache
+    return env
+
+
+def _self_time_of_funcaccel(env: Mapping[str, str]) -> float:
     """Seconds ``-X importtime`` attributes to funcaccel's own modules."""
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", "import torch; import funcaccel"],
@@ -42,6 +71,7 @@ def _self_time_of_funcaccel() -> float:
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
     ).stderr
     total_us = 0
     for line in out.splitlines():
@@ -54,30 +84,56 @@ def _self_time_of_funcaccel() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
-    samples: dict[str, list[float]] = {name: [] for name in COMMANDS}
-    for code in COMMANDS.values():
-        _time_once(code)  # warm the file cache
-    for _ in range(args.repeats):
-        for name, code in COMMANDS.items():
-            samples[name].append(_time_once(code))
-    base = statistics.median(samples["import torch"])
-    print("| command | median s | spread (IQR) s | ratio |")
-    print("|---|---|---|---|")
-    for name, values in samples.items():
-        q1, _, q3 = statistics.quantiles(values, n=4)
-        median = statistics.median(values)
-        print(f"| `{name}` | {median:.3f} | {q3 - q1:.3f} | {median / base:.3f} |")
-    extra = statistics.median(samples["import torch, funcaccel"]) - base
-    print(f"\nfuncaccel adds {extra * 1000:.0f} ms (median difference);")
-    script = statistics.median(samples["script imports"])
-    with_fa = statistics.median(samples["script imports, funcaccel"]) / script
-    control = statistics.median(samples["script imports (noise control)"]) / script
-    print(
-        f"over a script's own imports: {with_fa:.3f}x (noise control {control:.3f}x);"
+    parser.add_argument(
+        "--cold", action="store_true", help="no bytecode cache: compile each time"
     )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="funcaccel-pycache-") as cache:
+        env = _child_env(None if args.cold else cache)
+        _report(args.repeats, env)
+
+
+def _report(repeats: int, env: Mapping[str, str]) -> None:
+    walls: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    cpus: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    for code in COMMANDS.values():
+        _time_once(code, env)  # warm the file cache (and the bytecode cache)
+    for _ in range(repeats):
+        for name, code in COMMANDS.items():
+            wall, cpu = _time_once(code, env)
+            walls[name].append(wall)
+            cpus[name].append(cpu)
     print(
-        f"-X importtime self time of funcaccel modules: {_self_time_of_funcaccel() * 1000:.1f} ms"
+        "| command | wall median s | wall IQR s | CPU median s | CPU IQR s "
+        "| wall ratio | CPU ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name in COMMANDS:
+        # The script rows compare with the script's own imports, the others with torch.
+        base = "script imports" if name.startswith("script") else "import torch"
+        cells = []
+        for seconds in (walls[name], cpus[name]):
+            q1, _, q3 = statistics.quantiles(seconds, n=4)
+            cells += [f"{statistics.median(seconds):.3f}", f"{q3 - q1:.3f}"]
+        for table in (walls, cpus):
+            ratio = statistics.median(table[name]) / statistics.median(table[base])
+            cells.append(f"{ratio:.3f}")
+        print(f"| `{name}` | {' | '.join(cells)} |")
+    extra = statistics.median(walls["import torch, funcaccel"]) - statistics.median(
+        walls["import torch"]
+    )
+    print(f"\nfuncaccel adds {extra * 1000:.0f} ms of wall time (median difference);")
+    for label, table in (("wall", walls), ("CPU", cpus)):
+        script = statistics.median(table["script imports"])
+        with_fa = statistics.median(table["script imports, funcaccel"]) / script
+        control = statistics.median(table["script imports (noise control)"]) / script
+        print(
+            f"{label}: over a script's own imports {with_fa:.3f}x "
+            f"(noise control {control:.3f}x);"
+        )
+    print(
+        "-X importtime self time of funcaccel modules: "
+        f"{_self_time_of_funcaccel(env) * 1000:.1f} ms"
     )
 
 

@@ -17,8 +17,6 @@ from typing import Final
 from funcaccel._version import __version__ as __version__
 from funcaccel.accumulate import accumulate_step
 from funcaccel.accumulate import sync_ctx
-from funcaccel.batch_size import find_executable_batch_size
-from funcaccel.batch_size import is_out_of_memory
 from funcaccel.collectives import BatchInfo
 from funcaccel.collectives import Reduction
 from funcaccel.collectives import all_processes
@@ -43,7 +41,6 @@ from funcaccel.grad_state import advance_grad_state
 from funcaccel.grad_state import should_skip_grad_sync
 from funcaccel.grad_state import should_sync
 from funcaccel.grad_state import window_grad_factor
-from funcaccel.join import join_uneven_inputs
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
@@ -60,9 +57,6 @@ from funcaccel.loader import ShardedLoader
 from funcaccel.loader import iter_batches
 from funcaccel.loader import send_to_device
 from funcaccel.loader import shard_loader
-from funcaccel.local_sgd import LocalSGDState
-from funcaccel.local_sgd import average_parameters_
-from funcaccel.local_sgd import local_sgd_step
 from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import build_mesh
 from funcaccel.mixed_precision import autocast_ctx
@@ -77,23 +71,16 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from funcaccel.process import get_logger
-from funcaccel.process import local_main_process_first
-from funcaccel.process import main_process_first
-from funcaccel.process import print_main
 from funcaccel.progress import progress
 from funcaccel.rng import sync_rng_states
-from funcaccel.scheduler import maybe_step_scheduler
-from funcaccel.scheduler import scheduler_steps_due
-from funcaccel.seeding import set_seed
 from funcaccel.sharding import ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
-from funcaccel.sync import no_sync
-from funcaccel.sync import sync_in_backward
 
 if TYPE_CHECKING:
+    from funcaccel.batch_size import find_executable_batch_size
+    from funcaccel.batch_size import is_out_of_memory
     from funcaccel.checkpoint import CheckpointMeta
     from funcaccel.checkpoint import LoadedState
     from funcaccel.checkpoint import PendingCheckpoint
@@ -105,9 +92,22 @@ if TYPE_CHECKING:
     from funcaccel.checkpoint import save_checkpoint
     from funcaccel.checkpoint import save_model
     from funcaccel.envreport import env_report
+    from funcaccel.join import join_uneven_inputs
+    from funcaccel.local_sgd import LocalSGDState
+    from funcaccel.local_sgd import average_parameters_
+    from funcaccel.local_sgd import local_sgd_step
     from funcaccel.plot import plot_metrics
+    from funcaccel.process import get_logger
+    from funcaccel.process import local_main_process_first
+    from funcaccel.process import main_process_first
+    from funcaccel.process import print_main
     from funcaccel.profiler import build_profiler
     from funcaccel.profiler import profiler_trace_path
+    from funcaccel.scheduler import maybe_step_scheduler
+    from funcaccel.scheduler import scheduler_steps_due
+    from funcaccel.seeding import set_seed
+    from funcaccel.sync import no_sync
+    from funcaccel.sync import sync_in_backward
     from funcaccel.tracking import ConfigValue
     from funcaccel.tracking import CSVTracker
     from funcaccel.tracking import InMemoryTracker
@@ -125,6 +125,21 @@ if TYPE_CHECKING:
 
 _LAZY: Final = MappingProxyType(
     {
+        "find_executable_batch_size": "funcaccel.batch_size",
+        "is_out_of_memory": "funcaccel.batch_size",
+        "join_uneven_inputs": "funcaccel.join",
+        "LocalSGDState": "funcaccel.local_sgd",
+        "average_parameters_": "funcaccel.local_sgd",
+        "local_sgd_step": "funcaccel.local_sgd",
+        "get_logger": "funcaccel.process",
+        "local_main_process_first": "funcaccel.process",
+        "main_process_first": "funcaccel.process",
+        "print_main": "funcaccel.process",
+        "maybe_step_scheduler": "funcaccel.scheduler",
+        "scheduler_steps_due": "funcaccel.scheduler",
+        "set_seed": "funcaccel.seeding",
+        "no_sync": "funcaccel.sync",
+        "sync_in_backward": "funcaccel.sync",
         "CheckpointMeta": "funcaccel.checkpoint",
         "LoadedState": "funcaccel.checkpoint",
         "latest_checkpoint": "funcaccel.checkpoint",

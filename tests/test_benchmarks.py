@@ -120,13 +120,18 @@ def test_bench_import_runs() -> None:
         "`script imports, funcaccel`",
         "`script imports (noise control)`",
     ]
-    _check_rows(out, rows, 3, {"`import torch`": ["1.000"]})
-    assert re.search(r"^funcaccel adds -?\d+ ms \(median difference\);$", out, re.M)
+    ones = ["1.000", "1.000"]  # wall and CPU ratios of a reference row
+    _check_rows(out, rows, 6, {"`import torch`": ones, "`script imports`": ones})
     assert re.search(
-        r"^over a script's own imports: \d+\.\d{3}x \(noise control \d+\.\d{3}x\);$",
-        out,
-        re.M,
+        r"^funcaccel adds -?\d+ ms of wall time \(median difference\);$", out, re.M
     )
+    for label in ("wall", "CPU"):
+        assert re.search(
+            rf"^{label}: over a script's own imports \d+\.\d{{3}}x "
+            r"\(noise control \d+\.\d{3}x\);$",
+            out,
+            re.M,
+        ), out
     found = re.search(r"self time of funcaccel modules: (\d+\.\d) ms$", out, re.M)
     # -X importtime attributes time to funcaccel's own modules: parsing found them.
     assert found and float(found[1]) > 0, out
