@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -23,6 +25,17 @@ settings.register_profile(
     "thorough", parent=settings.get_profile("default"), max_examples=2000
 )
 settings.load_profile(os.environ.get("FUNCACCEL_HYPOTHESIS_PROFILE", "default"))
+
+# The suite starts hundreds of interpreters (ranks, examples, torchrun). Where the
+# environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE), each of them would
+# compile funcaccel and the test modules from source; a cache outside the checkout
+# (PYTHONPYCACHEPREFIX mirrors absolute paths, so checkouts cannot collide) lets
+# them share one compile. Set once, before any test, for the children only.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX",
+        str(Path(tempfile.gettempdir(), f"funcaccel-test-pycache-{os.getuid()}")),
+    )
 
 
 # Variables written by the tools, not by funcaccel: pytest sets PYTEST_CURRENT_TEST

@@ -112,7 +112,7 @@ def test_bench_loader_runs() -> None:
 
 
 def test_bench_import_runs() -> None:
-    out = _run("bench_import", "--repeats", 2)
+    out = _run("bench_import", "--repeats", 1)
     rows = [
         "`import torch`",
         "`import torch, funcaccel`",
