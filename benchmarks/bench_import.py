@@ -11,13 +11,20 @@ The children run with a warm bytecode cache in a temporary folder
 compiling funcaccel from source each time, as with ``PYTHONDONTWRITEBYTECODE=1``.
 
     python benchmarks/bench_import.py --repeats 15
+
+Wall and CPU time on a shared machine vary by more than funcaccel's whole import.
+``--instructions`` counts the instructions each script-imports command executes
+under valgrind's callgrind instead (one run each, a fixed hash seed), which is the
+same from run to run whatever else the machine does; it takes minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,18 +88,74 @@ def _self_time_of_funcaccel(env: Mapping[str, str]) -> float:
     return total_us / 1e6
 
 
+_COLLECTED = re.compile(r"^==\d+== Collected : (\d+)$", re.MULTILINE)
+
+
+def collected_instructions(valgrind_stderr: str) -> int:
+    """The instruction count callgrind reports at exit (its ``Collected`` line)."""
+    found = _COLLECTED.findall(valgrind_stderr)
+    if len(found) != 1:
+        msg = f"expected one 'Collected :' line from callgrind, found {len(found)}"
+        raise ValueError(msg)
+    return int(found[0])
+
+
+def _instructions(code: str, env: Mapping[str, str], out_dir: str) -> int:
+    done = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out_dir}/callgrind.out.%p",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "PYTHONHASHSEED": "0"},
+    )
+    return collected_instructions(done.stderr)
+
+
+def _report_instructions(env: Mapping[str, str], out_dir: str) -> None:
+    if shutil.which("valgrind") is None:
+        sys.exit("bench_import: --instructions needs valgrind on PATH")
+    _time_once(COMMANDS["script imports, funcaccel"], env)  # write the bytecode cache
+    names = [
+        "script imports",
+        "script imports, funcaccel",
+        "script imports (noise control)",
+    ]
+    counts = {name: _instructions(COMMANDS[name], env, out_dir) for name in names}
+    base = counts["script imports"]
+    print("| command | instructions | ratio |")
+    print("|---|---|---|")
+    for name, count in counts.items():
+        print(f"| `{name}` | {count} | {count / base:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=15, help="1 or more")
     parser.add_argument(
         "--cold", action="store_true", help="no bytecode cache: compile each time"
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions under callgrind instead of timing (needs valgrind)",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     with tempfile.TemporaryDirectory(prefix="funcaccel-pycache-") as cache:
         env = _child_env(None if args.cold else cache)
-        _report(args.repeats, env)
+        if args.instructions:
+            _report_instructions(env, cache)
+        else:
+            _report(args.repeats, env)
 
 
 def _report(repeats: int, env: Mapping[str, str]) -> None:

@@ -8,7 +8,9 @@ and the funcaccel loop ended with identical parameters.
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from types import ModuleType
 from typing import Final
 
 import pytest
@@ -154,3 +156,31 @@ def test_bench_export_runs() -> None:
     references = {stall[0]: one, export[0]: one}
     _check_rows(out, stall + export, 5, references)
     assert out.index("## Training stall") < out.index("## Export of the model")
+
+
+def _bench_import_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_import", BENCHMARKS / "bench_import.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_import_reads_callgrinds_instruction_count() -> None:
+    # --instructions runs valgrind for minutes; its parsing is checked on the
+    # lines callgrind prints at exit.
+    read = _bench_import_module().collected_instructions
+    stderr = (
+        "==4242== Callgrind, a call-graph generating cache profiler\n"
+        "==4242== Events    : Ir\n"
+        "==4242== Collected : 5209952580\n"
+        "==4242== \n"
+        "==4242== I   refs:      5,209,952,580\n"
+    )
+    assert read(stderr) == 5209952580
+    with pytest.raises(ValueError, match="found 0"):
+        read("==1== Events    : Ir\n")
+    with pytest.raises(ValueError, match="found 2"):
+        read("==1== Collected : 1\n==2== Collected : 2\n")
