@@ -24,6 +24,15 @@ from tests._dist import run_ranks
 ONE = DistributedContext()
 
 
+@pytest.fixture(autouse=True)
+def _no_full_collections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each retry runs gc.collect(), a second or more late in a suite that has
+    loaded torch, hypothesis and hundreds of tests; the halving rules do not need
+    it. test_memory_is_collected_after_each_out_of_memory_attempt checks the
+    calls themselves."""
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
+
+
 def limited(limit: int, tried: list[int]) -> Callable[[int], str]:
     """An ``fn`` that runs out of memory above ``limit`` and records each try."""
 
@@ -61,10 +70,7 @@ def test_halves_until_the_batch_fits(start: int, limit: int) -> None:
 @given(start=st.integers(1, 5000), limit=st.integers(1, 5000))
 def test_ends_at_the_first_halving_that_fits(start: int, limit: int) -> None:
     tried: list[int] = []
-    # Each retry runs gc.collect() (0.1 s or more with torch loaded); not needed here.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gc, "collect", lambda generation=2: 0)
-        _, batch_size = fa.find_executable_batch_size(ONE, limited(limit, tried), start)
+    _, batch_size = fa.find_executable_batch_size(ONE, limited(limit, tried), start)
     halvings = [start // 2**i for i in range(start.bit_length())]
     assert tried == halvings[: len(tried)]
     assert batch_size == next(b for b in halvings if b <= limit)
