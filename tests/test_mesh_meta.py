@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel import RowwiseParallel
-from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel.context import DistributedContext
 from funcaccel.mesh import build_mesh
@@ -31,6 +30,8 @@ F64 = torch.float64
 
 
 class _MLP(nn.Module):
+    scale: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.up = nn.Linear(4, 8, dtype=F64)
@@ -77,7 +78,7 @@ Y = torch.linspace(1, -1, 36, dtype=F64).reshape(12, 3)
 def _step(
     model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> None:
-    F.mse_loss(model(x), y).backward()
+    torch.autograd.backward(F.mse_loss(model(x), y))
     opt.step()
 
 
@@ -89,7 +90,9 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _local_rows(model: nn.Module) -> int:
-    weight = unwrap_model(model).up.weight
+    inner = unwrap_model(model)
+    assert isinstance(inner, _MLP)
+    weight = inner.up.weight
     local = weight.to_local() if isinstance(weight, DTensor) else weight
     return int(local.shape[0])
 
@@ -204,6 +207,11 @@ class _Bare(nn.Module):
         self.gain = nn.Parameter(torch.ones(2))
 
 
+def _zeros(module: nn.Module) -> None:
+    for param in module.parameters(recurse=False):
+        nn.init.zeros_(param)
+
+
 def test_wrap_model_refuses_a_meta_model_it_cannot_initialise() -> None:
     with torch.device("meta"):
         net = nn.Sequential(nn.Linear(2, 2), _Bare())
@@ -219,10 +227,6 @@ def test_wrap_model_refuses_a_meta_model_it_cannot_initialise() -> None:
         match=r"wrap_model: init_fn must be a function of one module or None; got 3",
     ):
         wrap_model(rank_ctx(1, 0), net, init_fn=3)  # type: ignore[arg-type]
-    wrap_model(
-        rank_ctx(1, 0),
-        net,
-        init_fn=lambda m: [nn.init.zeros_(p) for p in m.parameters(recurse=False)],
-    )
+    wrap_model(rank_ctx(1, 0), net, init_fn=_zeros)
     assert not any(p.is_meta for p in net.parameters())
     assert all(torch.equal(p, torch.zeros_like(p)) for p in net.parameters())

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +41,9 @@ from torch import nn
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
 from funcaccel.model._fsdp import rebind_optimizers_
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["check_meta_init", "has_meta_tensors", "materialize_"]
 
@@ -126,7 +130,7 @@ def materialize_(
     before = dict(model.named_parameters(remove_duplicate=False))
     for _, module in _meta_modules(model):
         module.to_empty(device=device, recurse=False)
-        sharded: dict[str, nn.Parameter] = {}
+        sharded: dict[str, DTensor] = {}
         for name, param in list(module.named_parameters(recurse=False)):
             if is_dtensor(param):
                 sharded[name] = param
@@ -144,7 +148,7 @@ def materialize_(
     rebind_optimizers_(optimizers, replaced)
 
 
-def _keep_local_parts_(module: nn.Module, sharded: dict[str, nn.Parameter]) -> None:
+def _keep_local_parts_(module: nn.Module, sharded: dict[str, DTensor]) -> None:
     """Copy this rank's part of each full stand-in into its ``DTensor``; put it back."""
     from torch.distributed.tensor import distribute_tensor
 
@@ -157,4 +161,5 @@ def _keep_local_parts_(module: nn.Module, sharded: dict[str, nn.Parameter]) -> N
         ).to_local()
         with torch.no_grad():
             param.to_local().copy_(local)
+        assert isinstance(param, nn.Parameter)
         module._parameters[name] = param

@@ -47,11 +47,11 @@ from funcaccel.mesh import check_mesh
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
 from funcaccel.model._fsdp import shard_model
+from funcaccel.model._mesh import check_mesh_wrapping
+from funcaccel.model._mesh import wrap_on_mesh
 from funcaccel.model._meta import check_meta_init
 from funcaccel.model._meta import has_meta_tensors
 from funcaccel.model._meta import materialize_
-from funcaccel.model._mesh import check_mesh_wrapping
-from funcaccel.model._mesh import wrap_on_mesh
 
 __all__ = [
     "FSDPOptions",
