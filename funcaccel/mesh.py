@@ -301,7 +301,12 @@ def mesh_report_rows(
         TypeError, ValueError: sizes ``build_mesh`` would refuse.
     """
     resolved = _resolve(dict(zip(MESH_DIM_NAMES, sizes, strict=True)), world_size)
-    mesh = ParallelMesh(**resolved, rank=rank)
+    mesh = ParallelMesh.for_rank(
+        rank,
+        dp_replicate=resolved["dp_replicate"],
+        dp_shard=resolved["dp_shard"],
+        tp=resolved["tp"],
+    )
     first = mesh.dp_rank * mesh.tp
     return [
         (

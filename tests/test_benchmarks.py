@@ -149,3 +149,20 @@ def test_bench_export_runs() -> None:
     references = {stall[0]: one, export[0]: one}
     _check_rows(out, stall + export, 5, references)
     assert out.index("## Training stall") < out.index("## Export of the model")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_mesh_memory_runs_and_the_meta_model_starts_equal() -> None:
+    out = _run(
+        "bench_mesh_memory", "--worlds", 2, "--variants", "fsdp_meta",
+        "--hidden", 64, "--layers", 1, "--steps", 1,
+    )  # fmt: skip
+    rows = ["plain PyTorch DDP", "plain PyTorch DDP again (noise control)", "fsdp_meta"]
+    _check_rows(out, rows, 8, {})
+    cells = dict(_numeric_rows(out))
+    assert cells["plain PyTorch DDP"][-2] == "1.000×"  # peak / plain DDP
+    losses = {name: row[-1] for name, row in cells.items()}
+    # One step: the loss is the initial model's, so meta init gave the same values.
+    assert losses["fsdp_meta"] == losses["plain PyTorch DDP"], out
+    assert "2 processes" in out
