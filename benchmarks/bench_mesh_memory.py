@@ -18,6 +18,14 @@ on ``meta`` (``wrap_model`` then materialises only each rank's shard). Ratios ar
 against plain DDP's peak in the same run. The loss after the last step is shown:
 whole and meta rows of one layout must agree (the same initial values).
 
+**The allocator.** glibc raises its mmap threshold each time a large block is
+freed (up to 32 MiB), so FSDP2's per-layer gather buffers (16 MiB here), once
+freed, are served from the heap and kept there: RSS then measures the allocator's
+high-water mark, not the live tensors, and sharding seems to cost memory. By default
+the workers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (a fixed threshold: every
+block over 128 KiB is mapped and returned on free), which applies to every variant
+alike; ``--glibc-default`` keeps glibc's dynamic threshold to show the difference.
+
     PYTHONPATH=. python benchmarks/bench_mesh_memory.py
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import tempfile
 from pathlib import Path
@@ -200,7 +209,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="hidden x hidden layers")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="keep glibc's dynamic mmap threshold (freed gather buffers stay in RSS)",
+    )
     args = parser.parse_args()
+    if not args.glibc_default:
+        # Read by glibc when each process starts: the fork server and its workers.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     worlds = [int(w) for w in args.worlds.split(",")]
     chosen = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(chosen) - set(VARIANTS))
@@ -209,7 +226,8 @@ def main() -> None:
     numel = sum(p.numel() for p in _build(args).parameters())
     print(
         f"MLP of {numel / 1e6:.1f}M float32 parameters ({numel * 4 / MiB:.0f} MiB), "
-        f"Adam, {args.steps} steps of batch {args.batch_size}, gloo, 1 thread per rank"
+        f"Adam, {args.steps} steps of batch {args.batch_size}, gloo, 1 thread per rank, "
+        f"malloc: {'glibc default' if args.glibc_default else 'MALLOC_MMAP_THRESHOLD_=131072'}"
     )
     for world in worlds:
         runs: dict[str, list[dict[str, Any]]] = {}
