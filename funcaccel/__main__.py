@@ -1,7 +1,8 @@
 """The ``python -m funcaccel`` command line.
 
-``python -m funcaccel env`` prints the environment report (``env_report``) for the
-current process's environment. ``python -m funcaccel plot RUN_DIR [--out FILE]``
+``python -m funcaccel env [--mesh R,S,T]`` prints the environment report
+(``env_report``) for the current process's environment, with the mesh
+``dp_replicate=R, dp_shard=S, tp=T`` described for this rank when given. ``python -m funcaccel plot RUN_DIR [--out FILE]``
 writes a PNG of the metrics a ``JSONLTracker`` / ``CSVTracker`` logged in
 ``RUN_DIR`` (``plot_metrics``) and prints its path.
 """
@@ -18,6 +19,19 @@ from funcaccel.envreport import env_report
 from funcaccel.plot import plot_metrics
 
 
+def _mesh_sizes(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    try:
+        r, s, t = (int(part) for part in parts)
+    except ValueError:
+        msg = (
+            f"expected three integers DP_REPLICATE,DP_SHARD,TP (-1 for the rest), "
+            f"e.g. 1,-1,2; got {text!r}"
+        )
+        raise argparse.ArgumentTypeError(msg) from None
+    return (r, s, t)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (``sys.argv[1:]`` when ``None``).
 
@@ -31,9 +45,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="funcaccel command line tools.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser(
+    env = commands.add_parser(
         "env",
         help="print versions, devices, backends and the context this environment gives",
+    )
+    env.add_argument(
+        "--mesh",
+        type=_mesh_sizes,
+        default=None,
+        metavar="R,S,T",
+        help="also show this rank's place in the dp_replicate,dp_shard,tp mesh "
+        "(-1 for the rest), e.g. --mesh 1,-1,2",
     )
     plot = commands.add_parser(
         "plot",
@@ -55,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "env":
         # The entry point is where the process's environment is read, once.
-        print(env_report(os.environ))
+        print(env_report(os.environ, mesh=args.mesh))
     elif args.command == "plot":
         try:
             written = plot_metrics(args.run_dir, out=args.out)

@@ -5,6 +5,8 @@ versions (funcaccel, torch, CUDA and cuDNN when present, Python, platform), the
 torch.distributed backends this build offers, the CUDA device count, the torchrun
 variables found, and the ``DistributedContext`` that ``context_from_env`` would
 build from them (or its error, which the report shows instead of raising).
+``python -m funcaccel env --mesh 2,2,1`` adds the ``dp_replicate x dp_shard x tp``
+mesh this launch would get from ``build_mesh``: its shape and this rank's place.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from funcaccel._version import __version__
 from funcaccel.context import context_from_env
+from funcaccel.mesh import mesh_report_rows
 
 __all__ = ["env_report"]
 
@@ -76,20 +79,39 @@ def _context_lines(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     ]
 
 
+def _mesh_lines(
+    environ: Mapping[str, str], sizes: tuple[int, int, int]
+) -> list[tuple[str, str]]:
+    try:
+        ctx = context_from_env(environ)
+        return mesh_report_rows(ctx.num_processes, ctx.process_index, sizes)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return [("error", f"{type(error).__name__}: {error}")]
+
+
 def _section(title: str, rows: list[tuple[str, str]]) -> list[str]:
     width = max((len(key) for key, _ in rows), default=0)
     return [title, *(f"  {key.ljust(width)}  {value}" for key, value in rows)]
 
 
-def env_report(environ: Mapping[str, str]) -> str:
+def env_report(
+    environ: Mapping[str, str], *, mesh: tuple[int, int, int] | None = None
+) -> str:
     """Return the environment report for ``environ``; nothing is printed or started.
 
     Only the launch variables in ``environ`` are read (``os.environ`` is not), and
     ``environ`` is not modified. An environment ``context_from_env`` rejects is
     reported in the context section, as ``error: <type>: <message>``.
 
+    With ``mesh=(dp_replicate, dp_shard, tp)`` (``-1`` for the rest, as in
+    ``build_mesh``) a ``mesh`` section follows: the resolved shape, this rank's
+    coordinates, data-parallel and tensor-parallel ranks, and the ranks of its
+    tensor-parallel group; sizes that do not fit the world show the error.
+    No process group or ``DeviceMesh`` is built.
+
     Args:
         environ: a mapping such as ``os.environ``, or a dict in a test.
+        mesh: mesh sizes to describe for this launch, or ``None``.
 
     Returns:
         Several lines of text, ending without a newline.
@@ -115,4 +137,6 @@ def env_report(environ: Mapping[str, str]) -> str:
         *_section("launch variables", launch),
         *_section("context_from_env", _context_lines(environ)),
     ]
+    if mesh is not None:
+        lines += _section("mesh", _mesh_lines(environ, mesh))
     return "\n".join(lines)

@@ -36,7 +36,13 @@ if TYPE_CHECKING:
     # Imported for real only where a group exists: the module imports slowly.
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIM_NAMES", "ParallelMesh", "build_mesh", "check_mesh"]
+__all__ = [
+    "MESH_DIM_NAMES",
+    "ParallelMesh",
+    "build_mesh",
+    "check_mesh",
+    "mesh_report_rows",
+]
 
 MESH_DIM_NAMES: Final = ("dp_replicate", "dp_shard", "tp")
 """The dimension names of every mesh, outermost first."""
@@ -163,6 +169,7 @@ class ParallelMesh:
 
 
 def _resolve(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Fill in a ``-1`` size and check the product (errors name ``build_mesh``)."""
     for name, value in sizes.items():
         if not is_int(value):
             msg = f"build_mesh: {name} must be an int; got {summary(value)} ({type(value).__name__})."
@@ -277,3 +284,39 @@ def check_mesh(ctx: DistributedContext, mesh: object, caller: str) -> ParallelMe
         )
         raise ValueError(msg)
     return mesh
+
+
+def mesh_report_rows(
+    world_size: int, rank: int, sizes: tuple[int, int, int]
+) -> list[tuple[str, str]]:
+    """Describe rank ``rank``'s place in a mesh of ``sizes`` as ``(key, value)`` rows.
+
+    ``sizes`` is ``(dp_replicate, dp_shard, tp)``, ``-1`` for the rest, resolved as
+    ``build_mesh`` does; nothing is built. For ``python -m funcaccel env --mesh``.
+
+    >>> dict(mesh_report_rows(4, 3, (1, -1, 2)))["coordinates"]
+    '(0, 1, 1)'
+
+    Raises:
+        TypeError, ValueError: sizes ``build_mesh`` would refuse.
+    """
+    resolved = _resolve(dict(zip(MESH_DIM_NAMES, sizes, strict=True)), world_size)
+    mesh = ParallelMesh.for_rank(
+        rank,
+        dp_replicate=resolved["dp_replicate"],
+        dp_shard=resolved["dp_shard"],
+        tp=resolved["tp"],
+    )
+    first = mesh.dp_rank * mesh.tp
+    return [
+        (
+            "shape",
+            " x ".join(
+                f"{n}={v}" for n, v in zip(MESH_DIM_NAMES, mesh.shape, strict=True)
+            ),
+        ),
+        ("coordinates", str(mesh.coordinates)),
+        ("dp_rank", f"{mesh.dp_rank} of {mesh.dp_size}"),
+        ("tp_rank", f"{mesh.tp_rank} of {mesh.tp}"),
+        ("tp group", str(list(range(first, first + mesh.tp)))),
+    ]

@@ -184,3 +184,20 @@ def test_bench_import_reads_callgrinds_instruction_count() -> None:
         read("==1== Events    : Ir\n")
     with pytest.raises(ValueError, match="found 2"):
         read("==1== Collected : 1\n==2== Collected : 2\n")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_mesh_memory_runs_and_the_meta_model_starts_equal() -> None:
+    out = _run(
+        "bench_mesh_memory", "--worlds", 2, "--variants", "fsdp_meta",
+        "--hidden", 64, "--layers", 1, "--steps", 1,
+    )  # fmt: skip
+    rows = ["plain PyTorch DDP", "plain PyTorch DDP again (noise control)", "fsdp_meta"]
+    _check_rows(out, rows, 8, {})
+    cells = dict(_numeric_rows(out))
+    assert cells["plain PyTorch DDP"][-2] == "1.000×"  # peak / plain DDP
+    losses = {name: row[-1] for name, row in cells.items()}
+    # One step: the loss is the initial model's, so meta init gave the same values.
+    assert losses["fsdp_meta"] == losses["plain PyTorch DDP"], out
+    assert "2 processes" in out

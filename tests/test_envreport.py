@@ -132,3 +132,36 @@ def test_env_report_shows_cuda_and_cudnn_of_a_cuda_build(
     versions = _section(env_report({}), "versions")
     assert versions["CUDA"] == "12.4 (built in, but no usable GPU or driver)"
     assert versions["cuDNN"] == "90100"
+
+
+def test_env_report_shows_this_ranks_place_in_a_mesh() -> None:
+    environ = {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "2"}
+    assert "mesh" not in env_report(environ).splitlines()
+    shown = _section(env_report(environ, mesh=(1, -1, 2)), "mesh")
+    assert shown == {
+        "shape": "dp_replicate=1 x dp_shard=2 x tp=2",
+        "coordinates": "(0, 1, 0)",
+        "dp_rank": "1 of 2",
+        "tp_rank": "0 of 2",
+        "tp group": "[2, 3]",
+    }
+    hsdp = _section(env_report(environ, mesh=(2, 2, 1)), "mesh")
+    assert (hsdp["coordinates"], hsdp["dp_rank"]) == ("(1, 0, 0)", "2 of 4")
+    error = _section(env_report(environ, mesh=(3, 1, 1)), "mesh")["error"]
+    assert error.startswith("ValueError: build_mesh: dp_replicate * dp_shard * tp")
+    assert "(product 3)" in error
+
+
+def test_main_env_mesh_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in TWO_RANKS.items():
+        monkeypatch.setenv(name, value)
+    assert main(["env", "--mesh", "1,1,-1"]) == 0
+    out = capsys.readouterr().out
+    assert out == env_report(os.environ, mesh=(1, 1, -1)) + "\n"
+    assert _section(out, "mesh")["tp_rank"] == "1 of 2"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["env", "--mesh", "2,two"])
+    assert exit_info.value.code == 2
+    assert "expected three integers DP_REPLICATE,DP_SHARD,TP" in capsys.readouterr().err

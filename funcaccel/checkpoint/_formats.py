@@ -8,9 +8,11 @@ value. Their tensors are stored in one of two formats, chosen by ``choose_format
   writes each (unwrapped) model's and optimizer's ``state_dict()`` to its own file
   with ``torch.save``; every rank reads them back with
   ``torch.load(..., weights_only=True)`` onto the CPU.
-- ``"dcp"`` (any model sharded by FSDP2): models and optimizers go through
+- ``"dcp"`` (any model sharded by FSDP2, or holding ``DTensor`` parameters from
+  tensor parallelism on a mesh): models and optimizers go through
   ``torch.distributed.checkpoint``; each rank writes its own shards, and DCP
-  reshards on load, so a checkpoint written on 2 processes loads on 1 or 3. What
+  reshards on load, so a checkpoint written on 2 processes loads on 1 or 3, and
+  one written on a ``2 x 2`` mesh loads on another mesh shape. What
   DCP would unpickle is vetted first (``_dcp_checks.py``): no pickled code runs.
 
 Schedulers, the scaler and other objects are always whole files from rank 0, and
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from funcaccel._checks import summary
+from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
 from funcaccel.checkpoint import _layout
@@ -151,12 +154,19 @@ def check_state_objects(
 
 
 def choose_format(models: Sequence[nn.Module]) -> StateFormat:
-    """Return ``"dcp"`` when any model is sharded by FSDP2, else ``"torch"``.
+    """Return ``"dcp"`` when any model is sharded (FSDP2 or ``DTensor`` parameters), else ``"torch"``.
+
+    A tensor-parallel model on a mesh (``wrap_model(..., tp_plan=...)``) holds
+    ``DTensor`` parameters without being an FSDP2 module; it is sharded too.
 
     >>> choose_format([nn.Linear(1, 1)])
     'torch'
     """
-    return "dcp" if any(is_fsdp_module(unwrap_model(m)) for m in models) else "torch"
+    sharded = any(
+        is_fsdp_module(inner) or any(is_dtensor(p) for p in inner.parameters())
+        for inner in map(unwrap_model, models)
+    )
+    return "dcp" if sharded else "torch"
 
 
 def pair_optimizers(

@@ -23,9 +23,10 @@ Layout of one checkpoint (``"torch"`` format: one process or DDP)::
     scheduler_0.pt scaler.pt object_<name>.pt
     rng_rank_0.pt rng_rank_1.pt ...   each rank writes its own RNG states
 
-With FSDP2 models (``"dcp"`` format) models and optimizers live in ``dcp/``
-instead, sharded by ``torch.distributed.checkpoint`` so that a checkpoint written on
-2 processes loads on 1 or 3. ``directory`` must be shared by all ranks.
+With sharded models (FSDP2, or ``DTensor`` parameters on a mesh: ``"dcp"`` format)
+models and optimizers live in ``dcp/`` instead, sharded by
+``torch.distributed.checkpoint`` so that a checkpoint written on 2 processes loads
+on 1 or 3, and one written on a 2x2 mesh on another mesh shape. ``directory`` must be shared by all ranks.
 
 **Atomicity.** Every rank writes into ``directory/.checkpoint-N.tmp``; once all
 succeeded, rank 0 writes ``manifest.json`` last, renames the directory into place

@@ -49,6 +49,9 @@ from funcaccel.model._fsdp import check_fsdp_options
 from funcaccel.model._fsdp import shard_model
 from funcaccel.model._mesh import check_mesh_wrapping
 from funcaccel.model._mesh import wrap_on_mesh
+from funcaccel.model._meta import check_meta_init
+from funcaccel.model._meta import has_meta_tensors
+from funcaccel.model._meta import materialize_
 
 __all__ = [
     "FSDPOptions",
@@ -117,6 +120,7 @@ def wrap_model(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     mesh: ParallelMesh | None = None,
     tp_plan: Mapping[str, Any] | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``ctx.device`` in place (as ``.to`` does), then wrap it for ``ctx``.
 
@@ -158,6 +162,15 @@ def wrap_model(
     0), rank 2 rows 2-3 (half 0, shard 1), and ranks 0/1 and 2/3 see the same
     batches (docs/mesh.md).
 
+    A model built on the ``meta`` device (``with torch.device("meta"):``) is
+    sharded while still on meta, and then only each rank's shards get storage:
+    every module holding meta tensors of its own is built in full on
+    ``ctx.device``, initialised by ``init_fn(module)`` (default: its
+    ``reset_parameters()``), and cut down to this rank's part, one module at a
+    time. With the same seed on every rank the result equals building the model
+    whole and initialising each module in ``model.modules()`` order. Without
+    sharding (one process, DDP) the model is materialised whole before wrapping.
+
     Args:
         ctx: the distributed context.
         model: the user's module; changed in place (moved, and sharded with FSDP).
@@ -170,6 +183,10 @@ def wrap_model(
         tp_plan: module names (``fnmatch`` patterns allowed) to parallel styles
             (``ColwiseParallel()``, ``RowwiseParallel()``, ...); required exactly
             when ``mesh.tp > 1``.
+        init_fn: for a model on the ``meta`` device: initialises one module's own
+            parameters and buffers in place (called under ``torch.no_grad()``);
+            ``None`` calls each module's ``reset_parameters()``. Unused for a
+            model with no meta tensors.
 
     Returns:
         ``model``, or a ``DistributedDataParallel`` wrapping it.
@@ -182,7 +199,9 @@ def wrap_model(
             ``ctx``; a mesh of another rank or world; ``tp_plan`` without
             ``mesh.tp > 1`` (or missing with it), or naming no submodule;
             ``dp_shard > 1`` without ``fsdp``; ``fsdp`` on a mesh with one
-            data-parallel rank; ``ddp_kwargs`` with ``tp > 1``.
+            data-parallel rank; ``ddp_kwargs`` with ``tp > 1``; a meta model
+            without ``init_fn`` whose module holding meta tensors has no
+            ``reset_parameters``.
         RuntimeError: ``ctx.num_processes > 1`` without a matching default group,
             or a mesh without a ``DeviceMesh``.
     """
@@ -210,7 +229,33 @@ def wrap_model(
         elif mesh is None:
             check_fsdp_options(ctx, fsdp, "wrap_model")
         require_process_group(ctx, "wrap_model")
-    model.to(ctx.device)
+    check_meta_init(model, init_fn, "wrap_model")
+    meta = has_meta_tensors(model)
+    sharded = ctx.num_processes > 1 and (
+        fsdp is not None or (mesh is not None and mesh.tp > 1)
+    )
+    if meta and not (sharded and any(p.requires_grad for p in model.parameters())):
+        materialize_(model, ctx.device, init_fn, opts)
+        meta = False
+    if meta:
+        _move_real_tensors_(model, ctx.device)
+    else:
+        model.to(ctx.device)
+    wrapped = _wrap(ctx, model, kwargs, fsdp, opts, mesh, tp_plan)
+    if meta:
+        materialize_(wrapped, ctx.device, init_fn, opts)
+    return wrapped
+
+
+def _wrap(
+    ctx: DistributedContext,
+    model: nn.Module,
+    kwargs: DistributedDataParallelKwargs,
+    fsdp: FSDPOptions | None,
+    opts: Sequence[torch.optim.Optimizer],
+    mesh: ParallelMesh | None,
+    tp_plan: Mapping[str, Any] | None,
+) -> nn.Module:
     if ctx.num_processes == 1:
         return model
     if mesh is not None:
@@ -222,6 +267,17 @@ def wrap_model(
     if fsdp is not None:
         return shard_model(ctx, model, fsdp, opts)
     return _build_ddp(ctx, model, kwargs)
+
+
+def _move_real_tensors_(model: nn.Module, device: torch.device) -> None:
+    # model.to() cannot copy out of meta tensors; move the others one by one.
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not param.is_meta and param.device != device:
+                param.data = param.data.to(device)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _check_arguments(
