@@ -21,7 +21,7 @@ with ``--resume``; and a final ``save_model`` export (safetensors, plus
 ``config.json`` and the character vocabulary) that
 ``AutoModelForCausalLM.from_pretrained`` loads back, checked to give the trained
 model's logits bit for bit. The main process prints one line per epoch, then
-``optimizer_steps``, ``tokens``, ``eval_loss``, the export's directory,
+``optimizer_steps``, ``eval_loss``, the export's directory,
 ``from_pretrained: identical logits``, a greedy sample from the loaded export and,
 last, ``param_sha256: <hex>``, a digest of the final parameters, so an
 interrupted-and-resumed run can be checked against an uninterrupted one.
@@ -267,8 +267,12 @@ def main(argv: list[str] | None = None) -> None:
         fa.close_context(ctx)
 
 
-def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
-    """Train, export and print the results (on the main process)."""
+def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
+    """Train, export and print the results (on the main process).
+
+    Returns:
+        The final parameters' digest, or ``None`` for a run stopped early.
+    """
     texts = sentences(args.sentences + 64, seed=args.seed)
     tok = CharTokenizer.over(texts)
     encoded = [tok.encode(text) for text in texts]
@@ -390,7 +394,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
         fa.finish_trackers(ctx, trackers)
         fa.print_main(ctx, f"stopped after {grad.optimizer_steps} optimizer steps")
         fa.print_main(ctx, f"checkpoints: {args.checkpoint_dir} (resume with --resume)")
-        return
+        return None
     eval_loss = evaluate(ctx, model, eval_loader)
     fa.log_metrics(ctx, trackers, {"eval_loss": eval_loss}, step=grad.optimizer_steps)
     fa.finish_trackers(ctx, trackers)
@@ -400,7 +404,9 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
     out = run_dir / "model"
     export(ctx, model, tok, out)
     fa.print_main(ctx, f"model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
-    fa.print_main(ctx, f"param_sha256: {param_digest(model)}")
+    digest = param_digest(model)
+    fa.print_main(ctx, f"param_sha256: {digest}")
+    return digest
 
 
 if __name__ == "__main__":
