@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
+from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM
@@ -110,6 +111,19 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.vocab[i] for i in ids if i >= len(SPECIALS))
+
+
+class Sentences(Dataset[list[int]]):
+    """Token ids of one sentence per item, of varying length."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[int]:
+        return self.rows[index]
 
 
 def collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -231,12 +245,16 @@ def greedy_sample(model: nn.Module, tok: CharTokenizer, prompt: str) -> str:
 
 
 def export(
-    ctx: fa.DistributedContext, model: nn.Module, tok: CharTokenizer, out: Path
+    ctx: fa.DistributedContext,
+    model: nn.Module,
+    config: LlamaConfig,
+    tok: CharTokenizer,
+    out: Path,
 ) -> None:
     """Write the model for Hugging Face; check from_pretrained gives its logits."""
     fa.save_model(ctx, model, out)
     if ctx.is_main_process:  # save_model keeps the other files of the directory
-        fa.unwrap_model(model).config.save_pretrained(out)
+        config.save_pretrained(out)
         (out / "vocab.json").write_text(json.dumps(tok.vocab))
     probe = collate([tok.encode(s) for s in sentences(4, seed=12345)])
     model.eval()
@@ -246,7 +264,7 @@ def export(
     fa.wait_for_everyone(ctx)  # config.json is written
     if not ctx.is_main_process:
         return
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded: nn.Module = AutoModelForCausalLM.from_pretrained(out)
     loaded.eval()
     with torch.no_grad():
         logits = loaded(**probe).logits
@@ -276,14 +294,17 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     texts = sentences(args.sentences + 64, seed=args.seed)
     tok = CharTokenizer.over(texts)
     encoded = [tok.encode(text) for text in texts]
-    train_rows, eval_rows = encoded[: args.sentences], encoded[args.sentences :]
+    train_rows = Sentences(encoded[: args.sentences])
+    eval_rows = Sentences(encoded[args.sentences :])
     loader = fa.shard_loader(
         ctx,
-        DataLoader(train_rows, batch_size=args.batch_size, shuffle=True, collate_fn=collate),  # type: ignore[arg-type]
+        DataLoader(
+            train_rows, batch_size=args.batch_size, shuffle=True, collate_fn=collate
+        ),
         seed=args.seed,
     )
     eval_loader = fa.shard_loader(
-        ctx, DataLoader(eval_rows, batch_size=16, collate_fn=collate)  # type: ignore[arg-type]
+        ctx, DataLoader(eval_rows, batch_size=16, collate_fn=collate)
     )
     net = build_model(ctx, args, len(tok.vocab))
     fsdp = fa.FSDPOptions(shard_modules=(LlamaDecoderLayer,))
@@ -387,7 +408,9 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
             f"epoch {epoch + 1}/{args.epochs}: loss {epoch_loss:.4f} per token, "
             f"lr {float(scheduler.get_last_lr()[0]):.2e}, {rate:.0f} tokens/s",
         )
-        fa.log_metrics(ctx, trackers, {"epoch_loss": epoch_loss}, step=grad.optimizer_steps)
+        fa.log_metrics(
+            ctx, trackers, {"epoch_loss": epoch_loss}, step=grad.optimizer_steps
+        )
     if pending is not None:
         pending.wait()  # the last checkpoint is complete and `latest` names it
     if stopped:
@@ -402,7 +425,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     fa.print_main(ctx, f"eval_loss: {eval_loss:.4f}")
     fa.print_main(ctx, f"metrics written to {run_dir / 'metrics.jsonl'}")
     out = run_dir / "model"
-    export(ctx, model, tok, out)
+    export(ctx, model, net.config, tok, out)
     fa.print_main(ctx, f"model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
     digest = param_digest(model)
     fa.print_main(ctx, f"param_sha256: {digest}")

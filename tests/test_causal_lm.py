@@ -30,14 +30,14 @@ from tests._scripts import run_script
 pytest.importorskip("transformers")
 
 SCRIPT = REPO / "examples" / "train_causal_lm.py"
-TINY = [
+TINY: list[object] = [
     "--sentences", "48", "--batch-size", "4", "--accumulation-steps", "5",
     "--epochs", "2", "--hidden", "32",
 ]  # fmt: skip
 EPOCH_LINE = r"^epoch (\d)/2: loss (\d+\.\d{4}) per token, lr \S+, \d+ tokens/s$"
 
 
-def _finished(args: list[str], *, processes: int = 1) -> Finished:
+def _finished(args: list[object], *, processes: int = 1) -> Finished:
     done = run_script(SCRIPT, *args, processes=processes, done_marker="param_sha256: ")
     assert done.status == 0, done.stdout + done.stderr
     return done
@@ -58,26 +58,35 @@ def _assert_trained(out: str, steps: int, run_dir: Path) -> None:
     assert _value(out, "from_pretrained") == "identical logits"
     assert _value(out, "model").startswith(f"{run_dir / 'model'} ")
     assert re.fullmatch(r"param_sha256: [0-9a-f]{64}", out.strip().splitlines()[-1])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     logged = [r for r in records if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, steps + 1))
     assert all(r["tokens"] > 0 for r in logged)
 
 
 def _probe(vocab_size: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        3, vocab_size, (3, 9), generator=torch.Generator().manual_seed(0)
+    )
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # a padded row
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def test_one_process_trains_and_exports_what_from_pretrained_loads(tmp_path: Path) -> None:
+def test_one_process_trains_and_exports_what_from_pretrained_loads(
+    tmp_path: Path,
+) -> None:
     import transformers
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
     args = [*TINY, "--mixed-precision", "no", "--run-dir", run_dir]
-    done = _finished([*args, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", "2"])
+    done = _finished(
+        [*args, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", "2"]
+    )
     _assert_trained(done.stdout, 2 * 3, run_dir)
     assert (tmp_path / "ckpt" / "latest").exists()
     # The export on its own: config, weights (the tied head written once), vocab.
@@ -92,14 +101,16 @@ def test_one_process_trains_and_exports_what_from_pretrained_loads(tmp_path: Pat
     assert config.vocab_size == len(vocab) and config.num_hidden_layers == 2
     # from_pretrained and a model built from the config and filled from the file
     # agree, logit for logit.
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    rebuilt = transformers.LlamaForCausalLM(config).eval()
-    rebuilt.load_state_dict(weights, strict=False)
-    rebuilt.tie_weights()
+    loaded: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(out)
+    rebuilt: torch.nn.Module = transformers.LlamaForCausalLM(config)
+    loaded.eval()
+    rebuilt.eval()
+    embedding = weights["model.embed_tokens.weight"]
+    rebuilt.load_state_dict({**weights, "lm_head.weight": embedding})  # strict
     probe = _probe(len(vocab))
     with torch.no_grad():
         assert torch.equal(loaded(**probe).logits, rebuilt(**probe).logits)
-    assert torch.equal(loaded.lm_head.weight, weights["model.embed_tokens.weight"])
+    assert torch.equal(loaded.state_dict()["lm_head.weight"], embedding)
 
 
 @pytest.mark.distributed
