@@ -1,5 +1,8 @@
 """The transformers example: one process and torchrun, stop and resume, the export.
 
+The one-process runs call the script's functions in this process (transformers
+is imported once); the torchrun run starts the script as a user does.
+
 The example trains a Llama built from a config with token-weighted accumulation,
 FSDP2 over its decoder blocks and asynchronous checkpoints, then exports it with
 ``save_model``; ``from_pretrained`` must read the export back with the trained
@@ -10,10 +13,12 @@ are 12 micro-batches an epoch on one process (windows of 5, 5 and a short 2) and
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -76,18 +81,31 @@ def _probe(vocab_size: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Tiny models in this process: more threads only fight over the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_one_process_trains_and_exports_what_from_pretrained_loads(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import transformers
     from safetensors.torch import load_file
 
+    # The script's main() with its command line, in this process (a subprocess
+    # would pay for importing transformers again; torchrun runs it below).
     run_dir = tmp_path / "run"
-    args = [*TINY, "--mixed-precision", "no", "--run-dir", run_dir]
-    done = _finished(
-        [*args, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", "2"]
-    )
-    _assert_trained(done.stdout, 2 * 3, run_dir)
+    argv = [*TINY, "--mixed-precision", "no", "--run-dir", run_dir]
+    argv += ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", "2"]
+    with _one_thread():
+        _example().main([str(arg) for arg in argv])
+    _assert_trained(capsys.readouterr().out, 2 * 3, run_dir)
     assert (tmp_path / "ckpt" / "latest").exists()
     # The export on its own: config, weights (the tied head written once), vocab.
     out = run_dir / "model"
@@ -147,16 +165,12 @@ def _whole_stopped_resumed(ctx: DistributedContext, tmp_path: Path) -> list[Any]
         argv = [*TINY, "--mixed-precision", "no", "--save-every", "2"]
         return example.train(ctx, example.parse_args([*argv, *map(str, extra)]))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: threads only fight over the cores
-    try:
+    with _one_thread():
         whole = run("--run-dir", tmp_path / "w", "--checkpoint-dir", tmp_path / "cw")
         cut = ["--checkpoint-dir", tmp_path / "cut"]
         stop = 4 if ctx.num_processes == 1 else 3  # the first window of epoch 2
         stopped = run("--run-dir", tmp_path / "s", *cut, "--stop-after", stop)
         resumed = run("--run-dir", tmp_path / "r", *cut, "--resume")
-    finally:
-        torch.set_num_threads(threads)
     return [whole, stopped, resumed]
 
 
