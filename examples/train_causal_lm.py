@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -224,10 +225,17 @@ def evaluate(
     totals = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), fa.autocast_ctx(ctx):
         for batch in fa.iter_batches(loader):
-            summed = model(**batch.data, num_items_in_batch=1).loss
-            per_row = torch.tensor([summed.item(), scored_tokens(batch.data).item()])
+            inputs = batch.data
+            logits = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+            ).logits.float()
+            labels = inputs["labels"][:, 1:]  # position t predicts token t + 1
+            losses = F.cross_entropy(
+                logits[:, :-1].transpose(1, 2), labels, reduction="none"
+            )  # ignore_index=-100 (the padding) gives 0 there
+            per_row = torch.stack([losses.sum(1), (labels != -100).sum(1)], dim=1)
             # gather_for_metrics drops the rows that even out the last batch.
-            totals += fa.gather_for_metrics(ctx, per_row[None], batch=batch).sum(0)
+            totals += fa.gather_for_metrics(ctx, per_row.double(), batch=batch).sum(0)
     model.train()
     return float(totals[0] / totals[1])
 
@@ -292,7 +300,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
         The final parameters' digest, or ``None`` for a run stopped early.
     """
     texts = sentences(args.sentences + 64, seed=args.seed)
-    tok = CharTokenizer.over(texts)
+    tok = CharTokenizer.over([*SUBJECTS, *VERBS, *OBJECTS, *ENDINGS, " and ."])
     encoded = [tok.encode(text) for text in texts]
     train_rows = Sentences(encoded[: args.sentences])
     eval_rows = Sentences(encoded[args.sentences :])
