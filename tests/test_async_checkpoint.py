@@ -135,6 +135,42 @@ def test_the_next_save_completes_a_pending_one_passed_to_it(
     assert not list(tmp_path.rglob(".async-save-*"))  # no marker left behind
 
 
+def _staging(pending: PendingCheckpoint) -> set[int]:
+    return {b.data_ptr() for b in pending._buffers}
+
+
+def test_the_next_save_stages_into_the_memory_of_the_one_passed_to_it(
+    tmp_path: Path,
+) -> None:
+    model, opt = _model()
+    _train(model, opt)
+    before = _copy(model)
+    first = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    memory = _staging(first)
+    _train(model, opt)  # the next window changes every parameter and momentum
+    after = _copy(model)
+    second = save_checkpoint(
+        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True, pending=first
+    )
+    assert _staging(second) == memory and first._buffers == ()  # reused, handed on
+    # Another layout (a second model) cannot reuse it: fresh memory, right values.
+    other, _ = _model(seed=1)
+    third = save_checkpoint(
+        ONE, tmp_path, models=[model, other], optimizers=opt, asynchronous=True, pending=second
+    )
+    assert not _staging(third) & memory
+    paths = [first.wait(), second.wait(), third.wait()]
+    for path, (expected, extra) in zip(
+        paths, [(before, None), (after, None), (after, other)], strict=True
+    ):
+        fresh, fresh_opt = _model(seed=2)
+        models = [fresh] if extra is None else [fresh, _model(seed=3)[0]]
+        load_checkpoint(ONE, path, models=models, optimizers=fresh_opt)
+        assert _same(_copy(fresh), expected)
+        if extra is not None:
+            assert _same(_copy(models[1]), _copy(extra))
+
+
 def test_a_marker_left_by_a_killed_process_does_not_block_the_next_save(
     tmp_path: Path,
 ) -> None:

@@ -144,12 +144,14 @@ def test_bench_export_runs() -> None:
     stall = [
         "synchronous save_checkpoint",
         "synchronous again (noise control)",
-        "asynchronous: stall until staged",
+        "asynchronous, first save: stall until staged",
+        "asynchronous, next save (pending=): stall until staged",
     ]
     export = [
         "safetensors.torch.save_file",
         "save_file again (noise control)",
         "save_file + fsync of the file",
+        "save_file, fsync of file and directory, rename, fsync of parent",
         "save_model",
     ]
     one = ["1.000×", "1.000×"]  # ratio of medians, median paired ratio

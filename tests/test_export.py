@@ -314,11 +314,18 @@ def test_transformers_from_pretrained_reads_a_sharded_export(tmp_path: Path) -> 
     config = transformers.GPT2Config(
         n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8
     )
-    model = transformers.GPT2LMHeadModel(config)
+    model: nn.Module = transformers.GPT2LMHeadModel(config)
     config.save_pretrained(tmp_path)
     save_model(ONE, model, tmp_path, max_shard_size=2000)
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    loaded: nn.Module = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert _same(loaded.state_dict(), model.state_dict())
+    tokens = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():  # the same logits, bit for bit
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
 
 
 # --- DDP and FSDP2 on 2 gloo processes ------------------------------------------

@@ -17,10 +17,13 @@ take the same number and delete the files being written), while a marker a
 killed process left behind is recognised as stale and cleaned up.
 
 >>> state = {"w": torch.ones(2)}
->>> staged = stage(state)
+>>> staged, buffers = stage(state)
 >>> _ = state["w"].add_(1)  # training goes on
 >>> staged["w"].tolist()
 [1.0, 1.0]
+>>> again, _ = stage(state, buffers)  # the next save: the same memory, refilled
+>>> again["w"].tolist(), again["w"].untyped_storage().data_ptr() == buffers[0].data_ptr()
+([2.0, 2.0], True)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -41,7 +45,7 @@ from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 
-__all__ = ["PendingCheckpoint", "own_pending_save", "stage"]
+__all__ = ["PendingCheckpoint", "own_pending_save", "stage", "take_buffers"]
 
 Finish = Callable[[dict[str, FileEntry], str | None], Path]
 _MARKER: Final = ".async-save-"
@@ -78,13 +82,46 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def stage(files: dict[str, object]) -> dict[str, object]:
-    """Return a deep copy of ``files`` whose tensors are fresh CPU copies.
+def stage(
+    files: dict[str, object], buffers: Sequence[torch.UntypedStorage] = ()
+) -> tuple[dict[str, object], tuple[torch.UntypedStorage, ...]]:
+    """Return a deep copy of ``files`` whose tensors are CPU copies, and their storages.
 
     Tensors that shared memory share it in the copy too (one storage copied once),
-    so ``torch.save`` writes the copy exactly as it would the original.
+    so ``torch.save`` writes the copy exactly as it would the original. Each
+    source storage is copied as bytes into one CPU storage; ``buffers`` (what an
+    earlier ``stage`` returned, once nothing reads that copy any more) are reused
+    in order instead of allocating when the state has the same storages and byte
+    sizes, which saves the allocation and its page faults on every save after
+    the first. Otherwise fresh storages are allocated (pinned for CUDA sources).
     """
-    storages: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    sources: list[torch.Tensor] = []
+    seen: set[tuple[torch.device, int]] = set()
+    for tensor in _tensors(files):
+        if tensor.layout == torch.strided and type(tensor) is torch.Tensor:
+            source = tensor.untyped_storage()
+            key = (tensor.device, source.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+                raw.set_(source, 0, (source.nbytes(),), (1,))
+                sources.append(raw)
+    reuse = len(buffers) == len(sources) and all(
+        b.device.type == "cpu" and b.nbytes() == s.numel()
+        for b, s in zip(buffers, sources, strict=True)
+    )
+    copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    for i, raw in enumerate(sources):
+        if reuse:
+            target = torch.empty(0, dtype=torch.uint8)
+            target.set_(buffers[i], 0, (raw.numel(),), (1,))
+        else:
+            pinned = raw.device.type == "cuda"
+            target = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=pinned)
+        target.copy_(raw)  # the whole storage, in one go
+        copies[(raw.device, raw.untyped_storage().data_ptr())] = (
+            target.untyped_storage()
+        )
     memo: dict[int, object] = {}
     for tensor in _tensors(files):
         if id(tensor) in memo:
@@ -92,18 +129,12 @@ def stage(files: dict[str, object]) -> dict[str, object]:
         if tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
             memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
             continue
-        source = tensor.untyped_storage()
-        key = (tensor.device, source.data_ptr())
-        if key not in storages:
-            # The whole storage as bytes, copied onto the CPU in one go.
-            raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-            raw.set_(source, 0, (source.nbytes(),), (1,))
-            storages[key] = raw.to("cpu", copy=True).untyped_storage()
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
         copied = torch.empty(0, dtype=tensor.dtype)
-        copied.set_(storages[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+        copied.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
         memo[id(tensor)] = copied
     staged: dict[str, object] = copy.deepcopy(files, memo)
-    return staged
+    return staged, tuple(copies.values())
 
 
 class PendingCheckpoint:
@@ -127,8 +158,10 @@ class PendingCheckpoint:
         finish: Finish,
         *,
         error: str | None = None,
+        buffers: tuple[torch.UntypedStorage, ...] = (),
     ) -> None:
         self.path = path
+        self._buffers = buffers  # the staged copy's memory, for the next save
         self._ctx = ctx
         self._root = root
         self._finish = finish
@@ -192,3 +225,15 @@ class PendingCheckpoint:
         if self._outcome is not None:
             state = "failed" if isinstance(self._outcome, BaseException) else "complete"
         return f"PendingCheckpoint(path={str(self.path)!r}, {state})"
+
+
+def take_buffers(pending: PendingCheckpoint) -> tuple[torch.UntypedStorage, ...]:
+    """Hand a completed save's staging memory to the next save (once; then empty).
+
+    Call it only after ``pending.wait()``: the writer no longer reads the copy.
+    """
+    if not pending.done():
+        msg = "take_buffers: the save is still being written; call wait() first"
+        raise RuntimeError(msg)
+    buffers, pending._buffers = pending._buffers, ()
+    return buffers

@@ -71,6 +71,7 @@ from funcaccel.checkpoint._agree import _read_checked
 from funcaccel.checkpoint._async import PendingCheckpoint
 from funcaccel.checkpoint._async import own_pending_save
 from funcaccel.checkpoint._async import stage
+from funcaccel.checkpoint._async import take_buffers
 from funcaccel.checkpoint._formats import Stateful
 from funcaccel.checkpoint._layout import latest_checkpoint
 from funcaccel.checkpoint._layout import list_checkpoints
@@ -239,6 +240,9 @@ def save_checkpoint(
         keep_last: keep only the newest ``keep_last`` checkpoints (>= 1).
         save_rng: save each rank's Python, torch, CUDA and NumPy RNG states.
         asynchronous: write in the background and return a ``PendingCheckpoint``.
+        pending: the handle of the previous asynchronous save, completed first;
+            an asynchronous save stages into its CPU copy's memory (no new
+            allocation) when the state has the same tensors' storages and sizes.
 
     Returns:
         The new checkpoint's path, ``directory/checkpoint-NNNNNN``; with
@@ -270,8 +274,10 @@ def save_checkpoint(
         )
         raise TypeError(msg)
     root = Path(directory)
+    reusable: tuple[torch.UntypedStorage, ...] = ()
     if pending is not None:
         pending.wait()  # collective: the earlier save is numbered before this one
+        reusable = take_buffers(pending)  # its staging memory, now free
     guard_collective(ctx, caller)
     name, error = "", None
     if ctx.is_main_process:
@@ -319,9 +325,12 @@ def save_checkpoint(
     )
     entries: dict[str, FileEntry] = {}
     staged: dict[str, object] = {}
+    buffers: tuple[torch.UntypedStorage, ...] = ()
     try:
         if error is None and asynchronous:
-            staged = stage(files)  # a copy: training may change the originals now
+            # A copy (training may change the originals now), into the previous
+            # save's staging memory when the state has the same layout.
+            staged, buffers = stage(files, reusable)
         elif error is None:
             entries = _formats.write_files(temporary, files)
     except (OSError, RuntimeError) as failure:
@@ -336,6 +345,7 @@ def save_checkpoint(
         lambda: _formats.write_files(temporary, staged),
         finish,
         error=error,
+        buffers=buffers,
     )
 
 

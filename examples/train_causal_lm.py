@@ -1,0 +1,444 @@
+"""Train a small causal language model from transformers with funcaccel.
+
+One process:        python examples/train_causal_lm.py
+Two processes:      torchrun --standalone --nproc_per_node 2 examples/train_causal_lm.py
+Resume after a stop: the same command with --resume and the same --checkpoint-dir.
+
+Needs transformers (``pip install 'funcaccel[lm]'``); nothing is downloaded. The
+model is a Llama built from a config (``--hidden`` wide, ``--layers`` decoder
+blocks, tied input and output embeddings), the tokenizer a character-level one
+over a synthetic corpus of sentences of varying length that the script generates
+from a fixed seed. Each batch is padded to its longest sentence, with
+``labels = -100`` on the padding.
+
+What it shows: token-weighted gradient accumulation (``accumulate_step(...,
+num_items=n)`` with the model's summed loss, ``num_items_in_batch=1``), so every
+token of a window counts the same whatever the padding, the window size or the
+rank it landed on; bf16 autocast (``--mixed-precision no`` turns it off); FSDP2
+with the decoder block class as the sharded unit; asynchronous checkpoints every
+``--save-every`` optimizer steps, the handle threaded into the next save; resume
+with ``--resume``; and a final ``save_model`` export (safetensors, plus
+``config.json`` and the character vocabulary) that
+``AutoModelForCausalLM.from_pretrained`` loads back, checked to give the trained
+model's logits bit for bit. The main process prints one line per epoch, then
+``optimizer_steps``, ``eval_loss``, the export's directory,
+``from_pretrained: identical logits``, a greedy sample from the loaded export and,
+last, ``param_sha256: <hex>``, a digest of the final parameters, so an
+interrupted-and-resumed run can be checked against an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset
+from transformers import AutoModelForCausalLM
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import funcaccel as fa
+
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = ("<pad>", "<s>", "</s>")
+SUBJECTS = ("the cat", "a dog", "the old fox", "my neighbour", "a small bird", "we")
+VERBS = ("sees", "chases", "likes", "finds", "paints", "follows")
+OBJECTS = ("the moon", "a red ball", "the river", "two mice", "the garden gate")
+ENDINGS = ("", " at night", " every day", " in the rain", " again and again")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--sentences", type=int, default=256, help="training set")
+    parser.add_argument("--batch-size", type=int, default=8, help="per process")
+    parser.add_argument("--accumulation-steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="bf16")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--save-every", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--resume", action="store_true", help="from --checkpoint-dir")
+    parser.add_argument("--stop-after", type=int, default=None, help="optimizer steps")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="metrics and the exported model (default: runs/causal-lm-<time>)",
+    )
+    return parser.parse_args(argv)
+
+
+def sentences(count: int, seed: int) -> list[str]:
+    """A deterministic corpus: ``count`` sentences from a tiny grammar."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        parts = [rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS)]
+        clause = " ".join(parts) + rng.choice(ENDINGS)
+        if rng.random() < 0.3:  # some long ones, so lengths vary from ~15 to ~70
+            clause += " and " + " ".join([rng.choice(VERBS), rng.choice(OBJECTS)])
+        out.append(clause + ".")
+    return out
+
+
+@dataclass(frozen=True)
+class CharTokenizer:
+    """Characters to ids: the specials first, then the corpus's characters, sorted."""
+
+    vocab: tuple[str, ...]
+
+    @classmethod
+    def over(cls, texts: list[str]) -> CharTokenizer:
+        return cls(SPECIALS + tuple(sorted(set("".join(texts)))))
+
+    def encode(self, text: str) -> list[int]:
+        index = {char: i for i, char in enumerate(self.vocab)}
+        return [BOS, *(index[char] for char in text), EOS]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids if i >= len(SPECIALS))
+
+
+class Sentences(Dataset[list[int]]):
+    """Token ids of one sentence per item, of varying length."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[int]:
+        return self.rows[index]
+
+
+def collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Pad to the longest row: ``input_ids``, ``attention_mask``, ``labels``."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": ids.masked_fill(mask == 0, -100),  # no loss on the padding
+    }
+
+
+def scored_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """How many labels the causal LM scores: position 0 predicts nothing."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def build_model(
+    ctx: fa.DistributedContext, args: argparse.Namespace, vocab_size: int
+) -> LlamaForCausalLM:
+    fa.set_seed(ctx, args.seed)  # the same initial weights on every rank
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+    return LlamaForCausalLM(config)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded parameters and buffers (a collective under FSDP2)."""
+    state = fa.unwrap_model(model).state_dict()
+    return {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in state.items()
+    }
+
+
+def param_digest(model: nn.Module) -> str:
+    """SHA-256 over the full parameters' bytes, in state_dict order (collective)."""
+    digest = hashlib.sha256()
+    for name, tensor in full_state(model).items():
+        digest.update(name.encode())
+        data = tensor.detach().cpu().contiguous().flatten().view(torch.uint8)
+        digest.update(data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def default_run_dir(ctx: fa.DistributedContext) -> Path:
+    """``runs/causal-lm-<date>-<time>`` (a new one), chosen by the main process."""
+    chosen = None
+    if ctx.is_main_process:
+        base = Path("runs") / time.strftime("causal-lm-%Y%m%d-%H%M%S")
+        chosen, n = base, 1
+        while chosen.exists():
+            chosen, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return Path(fa.broadcast_object(ctx, str(chosen)))
+
+
+@dataclass
+class TokenMeter:
+    """This rank's summed loss and token count, over a window or an epoch."""
+
+    start: float
+    loss_sum: float = 0.0
+    tokens: int = 0
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.loss_sum += loss.item() * tokens  # loss is the micro-batch's mean
+        self.tokens += tokens
+
+    def summary(self, ctx: fa.DistributedContext) -> tuple[float, float]:
+        """``(loss per token, tokens per second)`` over every rank: a collective."""
+        totals = torch.tensor([self.loss_sum, self.tokens], dtype=torch.float64)
+        loss_sum, tokens = fa.reduce(ctx, totals).tolist()
+        seconds = max(time.monotonic() - self.start, 1e-9)
+        return loss_sum / max(tokens, 1), tokens / seconds
+
+
+def evaluate(
+    ctx: fa.DistributedContext, model: nn.Module, loader: fa.ShardedLoader
+) -> float:
+    """The held-out loss per token over every rank, each sentence counted once."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad(), fa.autocast_ctx(ctx):
+        for batch in fa.iter_batches(loader):
+            inputs = batch.data
+            logits = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+            ).logits.float()
+            labels = inputs["labels"][:, 1:]  # position t predicts token t + 1
+            losses = F.cross_entropy(
+                logits[:, :-1].transpose(1, 2), labels, reduction="none"
+            )  # ignore_index=-100 (the padding) gives 0 there
+            per_row = torch.stack([losses.sum(1), (labels != -100).sum(1)], dim=1)
+            # gather_for_metrics drops the rows that even out the last batch.
+            totals += fa.gather_for_metrics(ctx, per_row.double(), batch=batch).sum(0)
+    model.train()
+    return float(totals[0] / totals[1])
+
+
+def greedy_sample(model: nn.Module, tok: CharTokenizer, prompt: str) -> str:
+    """Continue ``prompt`` greedily until ``</s>`` (plain model, one process)."""
+    ids = tok.encode(prompt)[:-1]
+    with torch.no_grad():
+        for _ in range(60):
+            logits = model(input_ids=torch.tensor([ids])).logits
+            ids.append(int(logits[0, -1].argmax()))
+            if ids[-1] == EOS:
+                break
+    return tok.decode(ids)
+
+
+def export(
+    ctx: fa.DistributedContext,
+    model: nn.Module,
+    config: LlamaConfig,
+    tok: CharTokenizer,
+    out: Path,
+) -> None:
+    """Write the model for Hugging Face; check from_pretrained gives its logits."""
+    fa.save_model(ctx, model, out)
+    if ctx.is_main_process:  # save_model keeps the other files of the directory
+        config.save_pretrained(out)
+        (out / "vocab.json").write_text(json.dumps(tok.vocab))
+    probe = collate([tok.encode(s) for s in sentences(4, seed=12345)])
+    model.eval()
+    with torch.no_grad():  # every rank: an FSDP2 forward is a collective
+        trained = model(**probe).logits
+    model.train()
+    fa.wait_for_everyone(ctx)  # config.json is written
+    if not ctx.is_main_process:
+        return
+    loaded: nn.Module = AutoModelForCausalLM.from_pretrained(out)
+    loaded.eval()
+    with torch.no_grad():
+        logits = loaded(**probe).logits
+    if torch.equal(logits, trained):
+        print("from_pretrained: identical logits")
+    else:
+        gap = (logits - trained).abs().max().item()
+        print(f"from_pretrained: logits differ (max abs difference {gap:.3e})")
+    print(f"sample: {greedy_sample(loaded, tok, 'the cat')}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ctx = fa.build_context(mixed_precision=args.mixed_precision, cpu=True)
+    try:
+        train(ctx, args)
+    finally:
+        fa.close_context(ctx)
+
+
+def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
+    """Train, export and print the results (on the main process).
+
+    Returns:
+        The final parameters' digest, or ``None`` for a run stopped early.
+    """
+    texts = sentences(args.sentences + 64, seed=args.seed)
+    tok = CharTokenizer.over([*SUBJECTS, *VERBS, *OBJECTS, *ENDINGS, " and ."])
+    encoded = [tok.encode(text) for text in texts]
+    train_rows = Sentences(encoded[: args.sentences])
+    eval_rows = Sentences(encoded[args.sentences :])
+    loader = fa.shard_loader(
+        ctx,
+        DataLoader(
+            train_rows, batch_size=args.batch_size, shuffle=True, collate_fn=collate
+        ),
+        seed=args.seed,
+    )
+    eval_loader = fa.shard_loader(
+        ctx, DataLoader(eval_rows, batch_size=16, collate_fn=collate)
+    )
+    net = build_model(ctx, args, len(tok.vocab))
+    fsdp = fa.FSDPOptions(shard_modules=(LlamaDecoderLayer,))
+    model = fa.wrap_model(ctx, net, fsdp=fsdp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    steps = args.epochs * -(-len(loader) // args.accumulation_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear decay, counted per rank
+        optimizer, lambda s: max(0.0, 1.0 - s / (steps * ctx.num_processes))
+    )
+    grad = fa.GradState(accumulation_steps=args.accumulation_steps)
+    start = fa.LoaderState()
+    if args.resume:
+        if args.checkpoint_dir is None:
+            raise SystemExit("train_causal_lm: --resume needs --checkpoint-dir DIR")
+        latest = fa.latest_checkpoint(args.checkpoint_dir)
+        if latest is not None:
+            loaded = fa.load_checkpoint(
+                ctx, latest, models=model, optimizers=optimizer, schedulers=scheduler
+            )
+            grad = loaded.grad or grad
+            start = loaded.loader or start
+            fa.print_main(ctx, f"resumed from {latest.name} at {start}")
+        else:
+            fa.print_main(ctx, f"nothing to resume in {args.checkpoint_dir}: starting")
+
+    run_dir = args.run_dir if args.run_dir is not None else default_run_dir(ctx)
+    trackers: list[fa.Tracker] = [fa.JSONLTracker(run_dir / "metrics.jsonl")]
+    fa.store_config(ctx, trackers, {k: str(v) for k, v in vars(args).items()})
+    pending: fa.PendingCheckpoint | None = None
+    stopped = False
+    for epoch in range(start.epoch, args.epochs):
+        fresh = fa.LoaderState(epoch=epoch)
+        state = start if epoch == start.epoch else fresh
+        meter = TokenMeter(start=time.monotonic())
+        window = TokenMeter(start=time.monotonic())
+        batches = fa.progress(
+            ctx,
+            fa.iter_batches(loader, state),
+            total=len(loader) if state == fresh else None,
+            desc=f"epoch {epoch + 1}/{args.epochs}",
+            every=max(1, len(loader) // 4),
+        )
+        for batch in batches:
+            inputs = batch.data
+            n = scored_tokens(inputs)
+            # The model's loss with num_items_in_batch=1 is the summed token loss;
+            # accumulate_step divides the window's gradient by its token count
+            # over all ranks, and returns this micro-batch's mean per token.
+            loss, grad = fa.accumulate_step(
+                ctx,
+                grad,
+                model,
+                optimizer,
+                lambda: model(**inputs, num_items_in_batch=1).loss,
+                num_items=n,
+                end_of_dataloader=batch.is_last,
+                max_grad_norm=args.max_grad_norm,
+            )
+            fa.maybe_step_scheduler(ctx, scheduler, grad, loader=loader)
+            meter.add(loss, int(n))
+            window.add(loss, int(n))
+            if not grad.sync_gradients:
+                continue
+            step = grad.optimizer_steps
+            fa.log_metrics(
+                ctx,
+                trackers,
+                {  # rank 0's share of the window
+                    "loss": window.loss_sum / max(window.tokens, 1),
+                    "tokens": window.tokens,
+                    "lr": float(scheduler.get_last_lr()[0]),
+                },
+                step=step,
+            )
+            window = TokenMeter(start=time.monotonic())
+            stopped = args.stop_after is not None and step >= args.stop_after
+            if args.checkpoint_dir is not None and (
+                step % args.save_every == 0 or stopped
+            ):
+                # Returns once the state is staged; the files are written in the
+                # background while training goes on. The next save completes it.
+                pending = fa.save_checkpoint(
+                    ctx,
+                    args.checkpoint_dir,
+                    models=model,
+                    optimizers=optimizer,
+                    schedulers=scheduler,
+                    grad=grad,
+                    loader=batch.state,
+                    keep_last=2,
+                    asynchronous=True,
+                    pending=pending,
+                )
+            if stopped:
+                break
+        if stopped:
+            break
+        epoch_loss, rate = meter.summary(ctx)
+        fa.print_main(
+            ctx,
+            f"epoch {epoch + 1}/{args.epochs}: loss {epoch_loss:.4f} per token, "
+            f"lr {float(scheduler.get_last_lr()[0]):.2e}, {rate:.0f} tokens/s",
+        )
+        fa.log_metrics(
+            ctx, trackers, {"epoch_loss": epoch_loss}, step=grad.optimizer_steps
+        )
+    if pending is not None:
+        pending.wait()  # the last checkpoint is complete and `latest` names it
+    if stopped:
+        fa.finish_trackers(ctx, trackers)
+        fa.print_main(ctx, f"stopped after {grad.optimizer_steps} optimizer steps")
+        fa.print_main(ctx, f"checkpoints: {args.checkpoint_dir} (resume with --resume)")
+        return None
+    eval_loss = evaluate(ctx, model, eval_loader)
+    fa.log_metrics(ctx, trackers, {"eval_loss": eval_loss}, step=grad.optimizer_steps)
+    fa.finish_trackers(ctx, trackers)
+    fa.print_main(ctx, f"optimizer_steps: {grad.optimizer_steps}")
+    fa.print_main(ctx, f"eval_loss: {eval_loss:.4f}")
+    fa.print_main(ctx, f"metrics written to {run_dir / 'metrics.jsonl'}")
+    out = run_dir / "model"
+    export(ctx, model, net.config, tok, out)
+    fa.print_main(ctx, f"model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    digest = param_digest(model)
+    fa.print_main(ctx, f"param_sha256: {digest}")
+    return digest
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The transformers example: one process and torchrun, stop and resume, the export.
+
+The one-process runs call the script's functions in this process (transformers
+is imported once); the torchrun run starts the script as a user does.
+
+The example trains a Llama built from a config with token-weighted accumulation,
+FSDP2 over its decoder blocks and asynchronous checkpoints, then exports it with
+``save_model``; ``from_pretrained`` must read the export back with the trained
+model's logits, bit for bit. Sizes here are tiny: 48 sentences in batches of 4
+are 12 micro-batches an epoch on one process (windows of 5, 5 and a short 2) and
+6 per rank on two (windows of 5 and 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from funcaccel.context import DistributedContext
+from tests._dist import run_ranks
+from tests._scripts import REPO
+from tests._scripts import Finished
+from tests._scripts import run_script
+
+pytest.importorskip("transformers")
+
+SCRIPT = REPO / "examples" / "train_causal_lm.py"
+TINY: list[object] = [
+    "--sentences", "48", "--batch-size", "4", "--accumulation-steps", "5",
+    "--epochs", "2", "--hidden", "32",
+]  # fmt: skip
+EPOCH_LINE = r"^epoch (\d)/2: loss (\d+\.\d{4}) per token, lr \S+, \d+ tokens/s$"
+
+
+def _finished(args: list[object], *, processes: int = 1) -> Finished:
+    done = run_script(SCRIPT, *args, processes=processes, done_marker="param_sha256: ")
+    assert done.status == 0, done.stdout + done.stderr
+    return done
+
+
+def _value(out: str, key: str) -> str:
+    found: list[str] = re.findall(rf"^{key}: (.+)$", out, flags=re.MULTILINE)
+    assert len(found) == 1, out
+    return found[0]
+
+
+def _assert_trained(out: str, steps: int, run_dir: Path) -> None:
+    epochs = re.findall(EPOCH_LINE, out, flags=re.MULTILINE)
+    assert [e for e, _ in epochs] == ["1", "2"], out
+    assert all(0 < float(loss) < 10 for _, loss in epochs), out
+    assert int(_value(out, "optimizer_steps")) == steps
+    assert 0 < float(_value(out, "eval_loss")) < 10
+    assert _value(out, "from_pretrained") == "identical logits"
+    assert _value(out, "model").startswith(f"{run_dir / 'model'} ")
+    assert re.fullmatch(r"param_sha256: [0-9a-f]{64}", out.strip().splitlines()[-1])
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
+    assert all(r["tokens"] > 0 for r in logged)
+
+
+def _probe(vocab_size: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(
+        3, vocab_size, (3, 9), generator=torch.Generator().manual_seed(0)
+    )
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # a padded row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Tiny models in this process: more threads only fight over the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_process_trains_and_exports_what_from_pretrained_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import transformers
+    from safetensors.torch import load_file
+
+    # The script's main() with its command line, in this process (a subprocess
+    # would pay for importing transformers again; torchrun runs it below).
+    run_dir = tmp_path / "run"
+    argv = [*TINY, "--mixed-precision", "no", "--run-dir", run_dir]
+    argv += ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", "2"]
+    with _one_thread():
+        _example().main([str(arg) for arg in argv])
+    _assert_trained(capsys.readouterr().out, 2 * 3, run_dir)
+    assert (tmp_path / "ckpt" / "latest").exists()
+    # The export on its own: config, weights (the tied head written once), vocab.
+    out = run_dir / "model"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "vocab.json",
+    ]  # fmt: skip
+    weights = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+    vocab = json.loads((out / "vocab.json").read_text())
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.vocab_size == len(vocab) and config.num_hidden_layers == 2
+    # from_pretrained and a model built from the config and filled from the file
+    # agree, logit for logit.
+    loaded: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(out)
+    rebuilt: torch.nn.Module = transformers.LlamaForCausalLM(config)
+    loaded.eval()
+    rebuilt.eval()
+    embedding = weights["model.embed_tokens.weight"]
+    rebuilt.load_state_dict({**weights, "lm_head.weight": embedding})  # strict
+    probe = _probe(len(vocab))
+    with torch.no_grad():
+        assert torch.equal(loaded(**probe).logits, rebuilt(**probe).logits)
+    assert torch.equal(loaded.state_dict()["lm_head.weight"], embedding)
+
+
+@pytest.mark.distributed
+def test_two_processes_under_torchrun_with_bf16_and_fsdp2(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = _finished(
+        [*TINY, "--run-dir", run_dir, "--checkpoint-dir", tmp_path / "ckpt",
+         "--save-every", "1"],
+        processes=2,
+    )  # fmt: skip
+    _assert_trained(done.stdout, 2 * 2, run_dir)
+    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
+    assert (tmp_path / "ckpt" / latest / "dcp").is_dir()  # FSDP2: sharded state
+
+
+def _example() -> ModuleType:
+    """The example script as a module (registered: its dataclasses need that)."""
+    name = "examples_train_causal_lm"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _whole_stopped_resumed(ctx: DistributedContext, tmp_path: Path) -> list[Any]:
+    """Train once unbroken, then stopped mid-epoch and resumed (each rank)."""
+    example = _example()
+
+    def run(*extra: object) -> Any:
+        argv = [*TINY, "--mixed-precision", "no", "--save-every", "2"]
+        return example.train(ctx, example.parse_args([*argv, *map(str, extra)]))
+
+    with _one_thread():
+        whole = run("--run-dir", tmp_path / "w", "--checkpoint-dir", tmp_path / "cw")
+        cut = ["--checkpoint-dir", tmp_path / "cut"]
+        stop = 4 if ctx.num_processes == 1 else 3  # the first window of epoch 2
+        stopped = run("--run-dir", tmp_path / "s", *cut, "--stop-after", stop)
+        resumed = run("--run-dir", tmp_path / "r", *cut, "--resume")
+    return [whole, stopped, resumed]
+
+
+@pytest.mark.parametrize(
+    "world_size", [1, pytest.param(2, marks=pytest.mark.distributed)]
+)
+def test_a_stopped_and_resumed_run_ends_like_an_unbroken_one(
+    tmp_path: Path, world_size: int
+) -> None:
+    # FSDP2 over the decoder blocks and (2 ranks) DCP checkpoints, the rest written
+    # in the background; the stop is in the middle of epoch 2.
+    if world_size == 1:  # in this process: the example's train() needs no group
+        results = [_whole_stopped_resumed(DistributedContext(), tmp_path)]
+    else:
+        results = run_ranks(_whole_stopped_resumed, 2, tmp_path / "group", tmp_path)
+    for whole, stopped, resumed in results:
+        assert stopped is None
+        assert isinstance(whole, str) and resumed == whole
