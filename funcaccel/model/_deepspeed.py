@@ -23,6 +23,7 @@ instead from the ``GradState``:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -111,8 +112,24 @@ def build_engine(
         )
         raise RuntimeError(msg)
     require_process_group(ctx, caller)
+    if "LOCAL_RANK" not in os.environ:
+        # DeepSpeed reads it from the environment itself (torchrun sets it).
+        msg = (
+            f"{caller}: DeepSpeed needs the LOCAL_RANK environment variable, which "
+            "torchrun and the deepspeed launcher set; launch with one of them, or set "
+            f"LOCAL_RANK={ctx.local_process_index} before wrap_model."
+        )
+        raise RuntimeError(msg)
     import deepspeed  # slow and optional: only this path needs it
 
+    if ctx.device.type == "cpu":
+        # DeepSpeed's CPU backend would JIT-compile a shared-memory all-reduce
+        # (minutes of C++ on first use) that only its inference path uses; ZeRO
+        # training reduces through torch.distributed. DeepSpeed keeps this table
+        # for the process and reads it when it first starts its communication.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     held = None if scheduler is None else _HeldScheduler(scheduler)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
