@@ -62,7 +62,7 @@ def _reference(world: int, micro: int = MICRO) -> dict[str, torch.Tensor]:
         steps = range(first, min(first + K, micro))
         rows = torch.cat([torch.arange(micro * world * BATCH)[_batch(s, r, world)] for s in steps for r in range(world)])
         loss = nn.functional.mse_loss(net(x[rows]), y[rows])
-        loss.backward()
+        torch.autograd.backward(loss)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}

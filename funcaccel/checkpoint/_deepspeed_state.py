@@ -80,11 +80,12 @@ def load_engine(engine: Any, directory: Path, caller: str) -> None:
 @contextlib.contextmanager
 def gathered_ctx(model: nn.Module) -> Iterator[None]:
     """Within it, a ZeRO-3 engine's module holds its full parameters on every rank."""
-    if not (is_deepspeed_engine(model) and model.zero_optimization_stage() == 3):
+    engine: Any = model
+    if not (is_deepspeed_engine(engine) and engine.zero_optimization_stage() == 3):
         yield
         return
     import deepspeed
 
-    params = list(model.module.parameters())
+    params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield

@@ -64,7 +64,8 @@ class _HeldScheduler:
         del args, kwargs  # stepped by maybe_step_scheduler instead
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        state: dict[str, Any] = self.scheduler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
@@ -150,7 +151,8 @@ def engine_boundary_ctx(
     @contextlib.contextmanager
     def marked() -> Iterator[None]:
         for engine in engines:
-            engine.set_gradient_accumulation_boundary(boundary)
+            marker: Any = engine
+            marker.set_gradient_accumulation_boundary(boundary)
         yield
 
     return marked()
