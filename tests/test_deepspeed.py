@@ -139,11 +139,6 @@ def test_zero2_and_zero3_full_windows_match_ddp_and_one_process(tmp_path: Path) 
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    reason="a short last window under ZeRO is off by ~5e-3 (not yet found why); "
-    "the k/m loss-scale correction is applied but something else differs",
-    strict=True,
-)
 def test_zero2_and_zero3_short_last_window_match_ddp(tmp_path: Path) -> None:
     _check_against_references(MICRO, tmp_path)
 

@@ -159,7 +159,12 @@ def engine_boundary_ctx(
 
 
 def _check_engine_step(
-    grad: GradState, engine: Any, optimizer: object, scaler: object, autocast_kwargs: object
+    grad: GradState,
+    engine: Any,
+    optimizer: object,
+    scaler: object,
+    autocast_kwargs: object,
+    max_grad_norm: float | None,
 ) -> None:
     caller = "accumulate_step"
     if optimizer is not engine.optimizer and optimizer is not engine.basic_optimizer:
@@ -174,6 +179,13 @@ def _check_engine_step(
         raise ValueError(msg)
     if autocast_kwargs is not None:
         msg = f"{caller}: a DeepSpeed engine runs its module in the config's precision itself; pass autocast_kwargs=None."
+        raise ValueError(msg)
+    configured = engine.gradient_clipping()
+    if max_grad_norm is not None and configured > 0 and configured != max_grad_norm:
+        msg = (
+            f"{caller}: the engine's config clips to gradient_clipping={configured!r}, "
+            f"but max_grad_norm is {max_grad_norm!r}; set one of them (or make them equal)."
+        )
         raise ValueError(msg)
     if engine.gradient_accumulation_steps() != grad.accumulation_steps:
         msg = (
@@ -217,7 +229,7 @@ def deepspeed_step(
     num_items: int | torch.Tensor | None,
 ) -> tuple[torch.Tensor, GradState]:
     """Run ``accumulate_step`` for a DeepSpeed engine (the same rules as DDP's)."""
-    _check_engine_step(grad, engine, optimizer, scaler, autocast_kwargs)
+    _check_engine_step(grad, engine, optimizer, scaler, autocast_kwargs, max_grad_norm)
     k = grad.accumulation_steps
     synced = grad.micro_step + 1 == k or (
         grad.sync_with_dataloader and end_of_dataloader

@@ -204,7 +204,9 @@ def merged_config(
     ``options`` is left unchanged. ``gradient_accumulation_steps`` becomes
     ``grad.accumulation_steps``; ``fp16.enabled`` / ``bf16.enabled`` follow
     ``ctx.mixed_precision``; ``train_batch_size`` is the micro-batch size times
-    the accumulation steps times ``ctx.num_processes``. A value already in the
+    the accumulation steps times ``ctx.num_processes``; ``gradient_clipping`` is
+    ``options.gradient_clipping``, else the config's, else 0 (no clipping; DeepSpeed's
+    own default would clip to 1.0). A value already in the
     config that differs is an error naming both.
 
     Raises:
@@ -262,5 +264,8 @@ def merged_config(
     config["zero_optimization"] = zero
     if options.gradient_clipping is not None:
         config["gradient_clipping"] = options.gradient_clipping
+    # DeepSpeed's own default clips every step's norm to 1.0; funcaccel clips only
+    # when asked (here or by accumulate_step's max_grad_norm), as on the DDP path.
+    config.setdefault("gradient_clipping", 0.0)
     config.setdefault("zero_allow_untested_optimizer", True)
     return config
