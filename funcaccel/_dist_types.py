@@ -31,6 +31,7 @@ __all__ = [
     "is_dtensor",
     "is_fsdp_module",
     "is_instance_if_loaded",
+    "is_zero_parameter",
 ]
 
 
@@ -67,3 +68,18 @@ def is_deepspeed_engine(module: object) -> bool:
     False
     """
     return is_instance_if_loaded(module, "deepspeed.runtime.engine", "DeepSpeedEngine")
+
+
+def is_zero_parameter(tensor: object) -> bool:
+    """Return whether ``tensor`` is a parameter that a DeepSpeed ZeRO optimizer manages.
+
+    Its gradient then lives in ZeRO's partitions, not in ``.grad``. ZeRO-3 marks
+    its parameters with ``ds_id``, ZeRO-1 and -2 with ``param_idx_in_group``.
+
+    >>> import torch
+    >>> is_zero_parameter(torch.nn.Parameter(torch.ones(1)))
+    False
+    """
+    if "deepspeed" not in sys.modules:
+        return False
+    return hasattr(tensor, "ds_id") or hasattr(tensor, "param_idx_in_group")
