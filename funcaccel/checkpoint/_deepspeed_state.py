@@ -21,10 +21,13 @@ from typing import Final
 from torch import nn
 
 from funcaccel._dist_types import is_deepspeed_engine
+from funcaccel.checkpoint import _layout
 
 __all__ = [
     "ENGINE_DIR",
+    "check_engine_format",
     "check_engine_objects",
+    "engine_files",
     "gathered_ctx",
     "load_engine",
     "save_engine",
@@ -60,13 +63,72 @@ def check_engine_objects(
     return True
 
 
+def check_engine_format(
+    state_format: str,
+    saved_world: int,
+    models: Sequence[nn.Module],
+    world: int,
+    root: Path,
+    caller: str,
+) -> None:
+    """Refuse loading an engine checkpoint into a non-engine, or the reverse.
+
+    A ZeRO checkpoint holds each rank's own partitions, so it loads only on the
+    world size that saved it.
+
+    Raises:
+        ValueError: the format and the models passed do not match, or the world
+            size differs from the saving one.
+    """
+    engine = len(models) == 1 and is_deepspeed_engine(models[0])
+    if state_format == "deepspeed" and not engine:
+        msg = (
+            f"{caller}: {root} holds a DeepSpeed engine's checkpoint; pass the engine "
+            "(wrap_model(..., deepspeed=...)) as the only model to load it, or export "
+            "the weights with save_model from a run that has the engine."
+        )
+        raise ValueError(msg)
+    if state_format != "deepspeed" and engine:
+        msg = (
+            f"{caller}: models is a DeepSpeed engine, but {root} holds a "
+            f"{state_format!r} checkpoint, not an engine's; load it into the plain "
+            "model before wrap_model, or resume from a checkpoint saved with the engine."
+        )
+        raise ValueError(msg)
+    if engine and saved_world != world:
+        msg = (
+            f"{caller}: {root} holds ZeRO partitions of {saved_world} processes, but "
+            f"this run has {world}; a DeepSpeed engine's checkpoint loads only on the "
+            "world size that saved it."
+        )
+        raise ValueError(msg)
+
+
 def save_engine(engine: Any, directory: Path) -> None:
     """Write ``engine``'s checkpoint into ``directory`` (collective)."""
     engine.save_checkpoint(str(directory), tag=_TAG, save_latest=False)
 
 
+def engine_files(temporary: Path) -> dict[str, int]:
+    """Return ``{name: size}`` of the engine's files under ``temporary`` (fsynced).
+
+    The names are relative to ``temporary`` (``deepspeed/state/...``), for the
+    manifest.
+    """
+    sizes: dict[str, int] = {}
+    top = temporary / ENGINE_DIR
+    for directory in sorted({top, *(p for p in top.rglob("*") if p.is_dir())}):
+        prefix = directory.relative_to(temporary).as_posix()
+        for name, size in _layout.file_sizes(directory).items():
+            sizes[f"{prefix}/{name}"] = size
+    return sizes
+
+
 def load_engine(engine: Any, directory: Path, caller: str) -> None:
     """Load ``engine`` in place from the checkpoint in ``directory`` (collective).
+
+    The module's weights, ZeRO's fp32 partitions and optimizer state, and the
+    scheduler given to ``wrap_model`` come back; so do the engine's step counters.
 
     Raises:
         ValueError: the directory holds no engine checkpoint.
