@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO through funcaccel's functions: options, windows, checkpoints.
 
 The engine runs on CPU (``DS_ACCELERATOR=cpu``) with gloo; DeepSpeed's set-up takes
-seconds, so the distributed cases share one spawned run per world size.
+seconds, so every distributed check shares one spawned run of 2 processes.
 """
 
 from __future__ import annotations
@@ -118,9 +118,10 @@ def _engine(
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     sched = _schedule(opt)
     grad = GradState(accumulation_steps=K)
-    engine = wrap_model(
-        ctx, net, deepspeed=DeepSpeedOptions(zero_stage=stage), optimizers=opt, scheduler=sched, grad=grad
-    )
+    # ZeRO-3 would keep parameters this small whole on every rank; partition all.
+    config = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
+    options = DeepSpeedOptions(config=config, zero_stage=stage)
+    engine = wrap_model(ctx, net, deepspeed=options, optimizers=opt, scheduler=sched, grad=grad)
     return engine, opt, sched, grad
 
 
@@ -140,7 +141,7 @@ def _ds_worker(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # DDP through funcaccel.
     net = _net()
-    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    opt: torch.optim.Optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     ddp = wrap_model(ctx, net)
     _train(ctx, ddp, opt, _schedule(opt), GradState(accumulation_steps=K), range(MICRO))
     out["ddp"] = {k: v.detach().clone() for k, v in unwrap_model(ddp).state_dict().items()}
@@ -149,24 +150,27 @@ def _ds_worker(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
         grad = _train(ctx, engine, opt, sched, grad, range(MICRO))
         out[f"zero{stage}"] = _full_state(engine, tmp / f"export{stage}", ctx)
         out[f"steps{stage}"] = grad.optimizer_steps
+        out[f"local{stage}"] = sum(p.numel() for p in unwrap_model(engine).parameters())
         out[f"clip{stage}"] = _refused(lambda: clip_grad_norm_(engine.parameters(), 1.0))
         if stage == 2:
             out["with_optimizer"] = _refused(
                 lambda: save_checkpoint(ctx, tmp / "refused", models=engine, optimizers=opt)
             )
     # Stop after the first window, resume in a fresh engine (other initial
-    # weights), finish: the same bits as the unbroken ZeRO-2 run above.
-    engine, opt, sched, grad = _engine(ctx, 2)
-    grad = _train(ctx, engine, opt, sched, grad, range(K))
-    saved = save_checkpoint(ctx, tmp / "run", models=engine, grad=grad)
-    out["saved_files"] = sorted(read_checkpoint_meta(saved).files)
-    engine, opt, sched, _ = _engine(ctx, 2, seed=5)
-    loaded = load_checkpoint(ctx, latest_checkpoint(tmp / "run") or saved, models=engine)
-    assert loaded.grad is not None
-    grad = _train(ctx, engine, opt, sched, loaded.grad, range(K, MICRO))
-    out["resumed"] = _full_state(engine, tmp / "export_resumed", ctx)
-    out["resumed_steps"] = grad.optimizer_steps
-    out["resumed_lr"] = sched.get_last_lr()
+    # weights), finish: the same bits as the unbroken runs above.
+    for stage in (2, 3):
+        engine, opt, sched, grad = _engine(ctx, stage)
+        grad = _train(ctx, engine, opt, sched, grad, range(K))
+        run = tmp / f"run{stage}"
+        saved = save_checkpoint(ctx, run, models=engine, grad=grad)
+        out[f"saved_files{stage}"] = sorted(read_checkpoint_meta(saved).files)
+        engine, opt, sched, _ = _engine(ctx, stage, seed=5)
+        loaded = load_checkpoint(ctx, latest_checkpoint(run) or saved, models=engine)
+        assert loaded.grad is not None
+        grad = _train(ctx, engine, opt, sched, loaded.grad, range(K, MICRO))
+        out[f"resumed{stage}"] = _full_state(engine, tmp / f"export_resumed{stage}", ctx)
+        out[f"resumed_steps{stage}"] = grad.optimizer_steps
+        out[f"resumed_lr{stage}"] = sched.get_last_lr()
     return out
 
 
@@ -182,14 +186,16 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
             assert rank[name].keys() == reference.keys(), name
             for key, value in reference.items():
                 torch.testing.assert_close(rank[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key}")
-        assert rank["steps2"] == rank["steps3"] == rank["resumed_steps"] == 3
+        assert rank["steps2"] == rank["steps3"] == 3
+        assert rank["local2"] == 58 and rank["local3"] == 0  # ZeRO-3 partitioned them
         for stage in (2, 3):
             assert "pass max_grad_norm=1.0 to accumulate_step" in rank[f"clip{stage}"]
+            for key, value in rank[f"zero{stage}"].items():
+                assert torch.equal(rank[f"resumed{stage}"][key], value), (stage, key)
+            assert rank[f"resumed_steps{stage}"] == 3
+            assert rank[f"resumed_lr{stage}"] == [LR * 0.5**3]
+            assert any(name.startswith("deepspeed/state/") for name in rank[f"saved_files{stage}"])
         assert "pass optimizers=() with it" in rank["with_optimizer"]
-        for key, value in rank["zero2"].items():
-            assert torch.equal(rank["resumed"][key], value), key
-        assert rank["resumed_lr"] == [LR * 0.5**3]
-        assert any(name.startswith("deepspeed/state/") for name in rank["saved_files"])
     # The ZeRO-3 export loads into the plain model, every parameter whole.
     plain = _net(seed=7)
     plain.load_state_dict(results[0]["zero3"], strict=True)
