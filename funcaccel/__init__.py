@@ -67,6 +67,7 @@ from funcaccel.mixed_precision import clip_grad_value_
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
 from funcaccel.mixed_precision import unscale_grads_
+from funcaccel.model import DeepSpeedOptions
 from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
@@ -182,6 +183,7 @@ __all__ = [
     "DistributedContext",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "DeepSpeedOptions",
     "FSDPOptions",
     "GradScalerKwargs",
     "GradState",

@@ -26,7 +26,13 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-__all__ = ["is_dtensor", "is_fsdp_module", "is_instance_if_loaded"]
+__all__ = [
+    "is_deepspeed_engine",
+    "is_dtensor",
+    "is_fsdp_module",
+    "is_instance_if_loaded",
+    "is_zero_parameter",
+]
 
 
 def is_instance_if_loaded(obj: object, module_name: str, class_name: str) -> bool:
@@ -52,3 +58,28 @@ def is_fsdp_module(module: nn.Module) -> TypeGuard[FSDPModule]:
 def is_dtensor(value: object) -> TypeIs[DTensor]:
     """Return whether ``value`` is a ``DTensor`` (a sharded FSDP2 tensor)."""
     return is_instance_if_loaded(value, "torch.distributed.tensor", "DTensor")
+
+
+def is_deepspeed_engine(module: object) -> bool:
+    """Return whether ``module`` is a DeepSpeed engine (``wrap_model(deepspeed=...)``).
+
+    >>> from torch import nn
+    >>> is_deepspeed_engine(nn.Linear(1, 1))
+    False
+    """
+    return is_instance_if_loaded(module, "deepspeed.runtime.engine", "DeepSpeedEngine")
+
+
+def is_zero_parameter(tensor: object) -> bool:
+    """Return whether ``tensor`` is a parameter that a DeepSpeed ZeRO optimizer manages.
+
+    Its gradient then lives in ZeRO's partitions, not in ``.grad``. ZeRO-3 marks
+    its parameters with ``ds_id``, ZeRO-1 and -2 with ``param_idx_in_group``.
+
+    >>> import torch
+    >>> is_zero_parameter(torch.nn.Parameter(torch.ones(1)))
+    False
+    """
+    if "deepspeed" not in sys.modules:
+        return False
+    return hasattr(tensor, "ds_id") or hasattr(tensor, "param_idx_in_group")

@@ -37,6 +37,7 @@ from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
 from funcaccel._checks import summary
+from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.collectives import comm_device
@@ -60,6 +61,8 @@ from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
 from funcaccel.model import check_optimizers_hold
+from funcaccel.model import deepspeed_step
+from funcaccel.model import engine_boundary_ctx
 from funcaccel.model import inside_compile
 
 __all__ = [
@@ -101,7 +104,9 @@ def sync_ctx(
     When ``should_skip_grad_sync`` holds, it enters DDP's ``no_sync()`` for each
     ``DistributedDataParallel`` in ``models`` and switches FSDP2 modules to
     ``set_requires_gradient_sync(False)``, set back to ``True`` on exit (on error
-    too); other modules are untouched. Otherwise it does nothing.
+    too); other modules are untouched. Otherwise it does nothing. A DeepSpeed
+    engine is told instead whether the micro-step closes the window
+    (``set_gradient_accumulation_boundary``), on every micro-step.
 
     Per rank, with 2 processes and ``k=2``: micro-step 1 runs in ``no_sync`` and
     rank 0 keeps ``g(0)/2``, rank 1 ``g(1)/2``; micro-step 2 all-reduces, so both
@@ -113,6 +118,13 @@ def sync_ctx(
     check_context(ctx, "sync_ctx")
     check_grad_state(grad, "sync_ctx")
     modules = as_tuple_of(models, nn.Module, caller="sync_ctx", name="models")
+    engines = tuple(m for m in modules if is_deepspeed_engine(m))
+    if engines:
+        # An engine reduces by itself; it only needs to know whether this
+        # micro-step closes the window.
+        return engine_boundary_ctx(
+            engines, should_sync(grad, end_of_dataloader=end_of_dataloader)
+        )
     if not should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
         return contextlib.nullcontext()
     return _no_sync(modules, "sync_ctx")
@@ -294,6 +306,13 @@ def accumulate_step(
     {3, 0} in its two micro-steps and rank 1 {1, 4}; both step with ``(G0 + G1) /
     8``, ``G0`` and ``G1`` being the ranks' sums of per-item gradients.
 
+    **DeepSpeed** (``model`` an engine from ``wrap_model(..., deepspeed=...)``):
+    the same windows, gradients and ``GradState``; the engine's ``backward`` and
+    ``step`` replace 2-4 (no autocast or scaler of funcaccel's: the engine's
+    config sets the precision), ``optimizer`` is the one given to ``wrap_model``,
+    and an fp16 step the engine skipped sets ``new_grad.step_was_skipped``
+    (docs/deepspeed.md).
+
     Args:
         ctx: the run's context.
         grad: the state before this micro-step.
@@ -328,6 +347,19 @@ def accumulate_step(
             ``wrap_model`` and not passed to its ``optimizers``).
         RuntimeError: several processes but no matching process group.
     """
+    if type(model) is not DistributedDataParallel and is_deepspeed_engine(model):
+        return deepspeed_step(
+            ctx,
+            grad,
+            model,
+            optimizer,
+            loss_fn,
+            end_of_dataloader=end_of_dataloader,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            autocast_kwargs=autocast_kwargs,
+            num_items=num_items,
+        )
     if num_items is not None:
         return _token_weighted_step(
             ctx,

@@ -61,6 +61,16 @@ def _cuda_lines() -> list[tuple[str, str]]:
     return [("CUDA", f"{built_with} ({state})"), ("cuDNN", _cudnn_version())]
 
 
+def _installed_version(distribution: str) -> str:
+    # Read from the installed metadata: importing DeepSpeed takes seconds.
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _cudnn_version() -> str:
     # torch ships torch.backends.cudnn without annotations.
     if not torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]
@@ -128,6 +138,7 @@ def env_report(
         ("platform", platform.platform()),
         ("backends", _backend_flags()),
         ("CUDA devices", str(torch.cuda.device_count())),
+        ("deepspeed", _installed_version("deepspeed")),
     ]
     launch = [(name, environ[name]) for name in LAUNCH_VARIABLES if name in environ]
     if not launch:

@@ -32,6 +32,7 @@ from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
+from funcaccel._dist_types import is_zero_parameter
 from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -213,7 +214,9 @@ def clip_grad_norm_(
         The total norm of the gradients before clipping, a plain (0-dim) tensor.
 
     Raises:
-        ValueError: ``max_norm`` not > 0, or a scaler without an optimizer.
+        ValueError: ``max_norm`` not > 0, a scaler without an optimizer, or
+            parameters of a DeepSpeed engine (use ``accumulate_step``'s
+            ``max_grad_norm``).
         TypeError: an argument of the wrong type.
 
     >>> w = torch.nn.Parameter(torch.zeros(2))
@@ -234,6 +237,17 @@ def clip_grad_norm_(
             raise ValueError(msg)
         unscale_grads_(scaler, optimizer)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if any(is_zero_parameter(p) for p in params):
+        # ZeRO moves the gradients into its own partitions (``.grad`` is None or
+        # stale): clipping here would silently clip nothing.
+        msg = (
+            "clip_grad_norm_: the parameters belong to a DeepSpeed ZeRO engine, whose "
+            "optimizer holds their gradients in its own partitions; pass "
+            f"max_grad_norm={max_norm!r} to accumulate_step instead (ZeRO clips the "
+            "window's whole gradient before its step), or set "
+            "DeepSpeedOptions(gradient_clipping=...)."
+        )
+        raise ValueError(msg)
     grads = [p.grad for p in params if p.grad is not None]
     if any(is_dtensor(g) for g in grads):
         return _clip_distributed(grads, max_norm, norm_type)

@@ -662,7 +662,7 @@ def test_file_entry_rejects_bad_values(kwargs: dict[str, Any], match: str) -> No
         (
             {"state_format": "zip"},
             ValueError,
-            r"state_format must be 'torch' or 'dcp'; got 'zip'",
+            r"state_format must be 'torch', 'dcp' or 'deepspeed'; got 'zip'",
         ),
         ({"objects": ["a"]}, TypeError, r"objects must be a tuple of str"),
         ({"files": {"a": 3}}, TypeError, r"files must map str to FileEntry"),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.checkpoint import _formats
+from funcaccel.checkpoint._deepspeed_state import check_engine_format
 from funcaccel.checkpoint._manifest import CheckpointMeta
 from funcaccel.checkpoint._manifest import check_json_value
 from funcaccel.checkpoint._manifest import read_manifest
@@ -74,7 +75,11 @@ def _check_save_values(
 
 
 def _check_counts(
-    meta: CheckpointMeta, objs: _formats.StateObjects, root: Path, caller: str
+    meta: CheckpointMeta,
+    objs: _formats.StateObjects,
+    root: Path,
+    caller: str,
+    world: int,
 ) -> None:
     for label, saved, passed in (
         ("models", meta.models, len(objs.models)),
@@ -93,6 +98,9 @@ def _check_counts(
         if name not in meta.files:
             msg = f"{caller}: the manifest of {root} does not list {name}, which the load reads, so it was never checked; {DAMAGED}."
             raise ValueError(msg)
+    check_engine_format(
+        meta.state_format, meta.world_size, objs.models, world, root, caller
+    )
     if meta.state_format == "torch":
         for index, model in enumerate(objs.models):
             if is_fsdp_module(unwrap_model(model)):
@@ -111,6 +119,8 @@ def _files_read(meta: CheckpointMeta, objs: _formats.StateObjects) -> list[str]:
     names += [f"object_{key}.pt" for key in objs.named]
     if meta.state_format == "dcp":
         return [*names, "dcp/.metadata"]
+    if meta.state_format == "deepspeed":
+        return names  # the engine reads its own files, all listed and checked
     names += [f"model_{i}.pt" for i in range(len(objs.models))]
     return names + [f"optimizer_{i}.pt" for i in range(len(objs.optimizers))]
 
@@ -127,7 +137,7 @@ def _read_checked(
     meta: CheckpointMeta | None = None
     try:
         meta = read_manifest(root, verify=verify, caller=caller)
-        _check_counts(meta, objs, root, caller)
+        _check_counts(meta, objs, root, caller, ctx.num_processes)
     except ValueError as failure:
         error = failure
     # Every rank learns of any failure before the collective DCP load can start.

@@ -27,10 +27,12 @@ from torch import nn
 from funcaccel._checks import check_bool
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
+from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel.checkpoint import _export_files
 from funcaccel.checkpoint._agree import _all_gather
 from funcaccel.checkpoint._agree import _raise_failures
+from funcaccel.checkpoint._deepspeed_state import gathered_ctx
 from funcaccel.checkpoint._export_dir import commit_export
 from funcaccel.checkpoint._export_dir import export_source
 from funcaccel.checkpoint._export_dir import prepare_export
@@ -92,6 +94,8 @@ def save_model(
     ``safe_serialization=False`` writes ``pytorch_model.bin`` (or its shards and
     ``pytorch_model.bin.index.json``) with ``torch.save``, weights only.
 
+    A DeepSpeed engine's module is exported; under ZeRO-3 its partitioned
+    parameters are gathered first, the whole model on every rank.
     FSDP2 parameters are gathered one tensor at a time (``DTensor.full_tensor()``
     on every rank) and rank 0 holds at most one file's tensors at once, writing
     each file as it fills. Tied weights (one tensor under two names, e.g.
@@ -128,6 +132,15 @@ def save_model(
     """
     caller = "save_model"
     root = _check_call(ctx, model, directory, caller)
+    if is_deepspeed_engine(model):
+        with gathered_ctx(model):  # ZeRO-3: every rank holds the full weights
+            return save_model(
+                ctx,
+                unwrap_model(model),
+                directory,
+                max_shard_size=max_shard_size,
+                safe_serialization=safe_serialization,
+            )
     limit = parse_shard_size(max_shard_size, caller=caller)
     safe = check_bool(caller, "safe_serialization", safe_serialization)
     module = unwrap_model(model)

@@ -2,12 +2,14 @@
 
 ``check_state_objects`` validates what a caller passes to save or load (models,
 optimizers, schedulers, scaler, other ``Stateful`` objects) into a ``StateObjects``
-value. Their tensors are stored in one of two formats, chosen by ``choose_format``:
+value. Their tensors are stored in one of three formats, chosen by ``choose_format``:
 
 - ``"torch"`` (one process, or DDP, where every rank holds the whole model): rank 0
   writes each (unwrapped) model's and optimizer's ``state_dict()`` to its own file
   with ``torch.save``; every rank reads them back with
   ``torch.load(..., weights_only=True)`` onto the CPU.
+- ``"deepspeed"`` (one DeepSpeed engine): the engine's own checkpoint in
+  ``deepspeed/``, each rank writing its ZeRO partitions (``_deepspeed_state.py``).
 - ``"dcp"`` (any model sharded by FSDP2, or holding ``DTensor`` parameters from
   tensor parallelism on a mesh): models and optimizers go through
   ``torch.distributed.checkpoint``; each rank writes its own shards, and DCP
@@ -40,11 +42,15 @@ from torch import nn
 
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
+from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
 from funcaccel.checkpoint import _layout
 from funcaccel.checkpoint._dcp_checks import check_dcp_metadata
 from funcaccel.checkpoint._dcp_checks import check_dcp_value
+from funcaccel.checkpoint._deepspeed_state import ENGINE_DIR
+from funcaccel.checkpoint._deepspeed_state import check_engine_objects
+from funcaccel.checkpoint._deepspeed_state import load_engine
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.context import DistributedContext
@@ -69,7 +75,7 @@ __all__ = [
     "write_state_files",
 ]
 
-StateFormat: TypeAlias = Literal["torch", "dcp"]
+StateFormat: TypeAlias = Literal["torch", "dcp", "deepspeed"]
 T = TypeVar("T")
 
 
@@ -132,7 +138,7 @@ def check_state_objects(
             msg = f"{caller}: objects[{key!r}] needs state_dict()/load_state_dict(); got {type(value).__name__}."
             raise TypeError(msg)
     require_process_group(ctx, caller)
-    return StateObjects(
+    record = StateObjects(
         _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
         _as_tuple(
             optimizers,
@@ -151,10 +157,13 @@ def check_state_objects(
         scaler,
         named,
     )
+    check_engine_objects(record.models, record.optimizers, caller)
+    return record
 
 
 def choose_format(models: Sequence[nn.Module]) -> StateFormat:
-    """Return ``"dcp"`` when any model is sharded (FSDP2 or ``DTensor`` parameters), else ``"torch"``.
+    """Return ``"deepspeed"`` for a DeepSpeed engine, ``"dcp"`` when any model is
+    sharded (FSDP2 or ``DTensor`` parameters), else ``"torch"``.
 
     A tensor-parallel model on a mesh (``wrap_model(..., tp_plan=...)``) holds
     ``DTensor`` parameters without being an FSDP2 module; it is sharded too.
@@ -162,6 +171,8 @@ def choose_format(models: Sequence[nn.Module]) -> StateFormat:
     >>> choose_format([nn.Linear(1, 1)])
     'torch'
     """
+    if any(is_deepspeed_engine(m) for m in models):
+        return "deepspeed"
     sharded = any(
         is_fsdp_module(inner) or any(is_dtensor(p) for p in inner.parameters())
         for inner in map(unwrap_model, models)
@@ -459,7 +470,9 @@ def load_state_objects(
     Raises:
         ValueError: a file is unreadable or does not fit its object.
     """
-    if state_format == "dcp":
+    if state_format == "deepspeed":
+        load_engine(objs.models[0], root / ENGINE_DIR, caller)
+    elif state_format == "dcp":
         listed = {name[4:] for name in files if name.startswith("dcp/")}
         load_sharded(
             ctx,

@@ -161,7 +161,8 @@ class CheckpointMeta:
 
     Args:
         world_size: processes that wrote it (>= 1).
-        state_format: ``"torch"`` (whole state dicts) or ``"dcp"`` (sharded).
+        state_format: ``"torch"`` (whole state dicts), ``"dcp"`` (sharded) or
+            ``"deepspeed"`` (a DeepSpeed engine's own checkpoint).
         models, optimizers, schedulers: how many of each were saved (>= 0).
         scaler: whether a grad scaler was saved.
         objects: names of the other ``Stateful`` objects saved.
@@ -179,7 +180,7 @@ class CheckpointMeta:
     """
 
     world_size: int
-    state_format: Literal["torch", "dcp"] = "torch"
+    state_format: Literal["torch", "dcp", "deepspeed"] = "torch"
     models: int = 0
     optimizers: int = 0
     schedulers: int = 0
@@ -208,8 +209,8 @@ class CheckpointMeta:
             if value < least:
                 msg = f"{owner}: {name} must be >= {least}; got {value}."
                 raise ValueError(msg)
-        if self.state_format not in ("torch", "dcp"):
-            msg = f"{owner}: state_format must be 'torch' or 'dcp'; got {self.state_format!r}."
+        if self.state_format not in ("torch", "dcp", "deepspeed"):
+            msg = f"{owner}: state_format must be 'torch', 'dcp' or 'deepspeed'; got {self.state_format!r}."
             raise ValueError(msg)
         for name in ("scaler", "rng"):
             if type(getattr(self, name)) is not bool:

@@ -26,7 +26,10 @@ Layout of one checkpoint (``"torch"`` format: one process or DDP)::
 With sharded models (FSDP2, or ``DTensor`` parameters on a mesh: ``"dcp"`` format)
 models and optimizers live in ``dcp/`` instead, sharded by
 ``torch.distributed.checkpoint`` so that a checkpoint written on 2 processes loads
-on 1 or 3, and one written on a 2x2 mesh on another mesh shape. ``directory`` must be shared by all ranks.
+on 1 or 3, and one written on a 2x2 mesh on another mesh shape. A DeepSpeed engine
+(``"deepspeed"`` format) is saved and loaded by the engine itself, into
+``deepspeed/`` (each rank its ZeRO partitions; it loads on the same world size
+only). ``directory`` must be shared by all ranks.
 
 **Atomicity.** Every rank writes into ``directory/.checkpoint-N.tmp``; once all
 succeeded, rank 0 writes ``manifest.json`` last, renames the directory into place
@@ -72,6 +75,9 @@ from funcaccel.checkpoint._async import PendingCheckpoint
 from funcaccel.checkpoint._async import own_pending_save
 from funcaccel.checkpoint._async import stage
 from funcaccel.checkpoint._async import take_buffers
+from funcaccel.checkpoint._deepspeed_state import ENGINE_DIR
+from funcaccel.checkpoint._deepspeed_state import engine_files
+from funcaccel.checkpoint._deepspeed_state import save_engine
 from funcaccel.checkpoint._formats import Stateful
 from funcaccel.checkpoint._layout import latest_checkpoint
 from funcaccel.checkpoint._layout import list_checkpoints
@@ -300,6 +306,8 @@ def save_checkpoint(
         _formats.save_sharded(
             ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
         )
+    elif state_format == "deepspeed":
+        save_engine(objs.models[0], temporary / ENGINE_DIR)
     files: dict[str, object] = {}
     try:
         files = _formats.state_files(
@@ -379,6 +387,9 @@ def _finish(
         if fields["state_format"] == "dcp":
             for key, size in _layout.file_sizes(temporary / "dcp").items():
                 files[f"dcp/{key}"] = FileEntry(size=size)
+        elif fields["state_format"] == "deepspeed":
+            for key, size in engine_files(temporary).items():
+                files[key] = FileEntry(size=size)
         meta = CheckpointMeta(**fields, files=files)
         try:
             _layout.commit(root, name, meta.to_dict())

@@ -36,14 +36,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import as_tuple_of
 from funcaccel._checks import summary
+from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_fsdp_module
+from funcaccel._typing import Stateful
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.context import require_process_group
+from funcaccel.grad_state import GradState
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import check_mesh
+from funcaccel.model._deepspeed import build_engine
+from funcaccel.model._deepspeed_options import DeepSpeedOptions
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
 from funcaccel.model._fsdp import shard_model
@@ -121,6 +126,9 @@ def wrap_model(
     mesh: ParallelMesh | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    deepspeed: DeepSpeedOptions | None = None,
+    scheduler: Stateful | None = None,
+    grad: GradState | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``ctx.device`` in place (as ``.to`` does), then wrap it for ``ctx``.
 
@@ -187,9 +195,18 @@ def wrap_model(
             parameters and buffers in place (called under ``torch.no_grad()``);
             ``None`` calls each module's ``reset_parameters()``. Unused for a
             model with no meta tensors.
+        deepspeed: build a DeepSpeed ZeRO engine instead (docs/deepspeed.md); the
+            engine is returned and from then on owns ``model``, the one optimizer
+            in ``optimizers`` (its param groups now hold ZeRO's fp32 partitions)
+            and ``scheduler`` (saved in its checkpoints, stepped by
+            ``maybe_step_scheduler`` only). Needs a process group at any world size.
+        scheduler: with ``deepspeed``, the LR scheduler the engine checkpoints.
+        grad: with ``deepspeed``, the run's ``GradState``: its
+            ``accumulation_steps`` becomes the engine's.
 
     Returns:
-        ``model``, or a ``DistributedDataParallel`` wrapping it.
+        ``model``, a ``DistributedDataParallel`` wrapping it, or (with
+        ``deepspeed``) DeepSpeed's engine.
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -211,6 +228,11 @@ def wrap_model(
         opts = as_tuple_of(
             optimizers, torch.optim.Optimizer, caller="wrap_model", name="optimizers"
         )
+    if deepspeed is not None or scheduler is not None or grad is not None:
+        _check_deepspeed_arguments(deepspeed, ddp_kwargs, fsdp, mesh)
+        assert deepspeed is not None
+        model.to(ctx.device)
+        return build_engine(ctx, model, deepspeed, opts, scheduler, grad)
     kwargs = DistributedDataParallelKwargs() if ddp_kwargs is None else ddp_kwargs
     if mesh is not None:
         check_mesh(ctx, mesh, "wrap_model")
@@ -305,8 +327,10 @@ def _check_arguments(
         )
         raise TypeError(msg)
     inner = inside_compile(model)
-    if isinstance(inner, (DistributedDataParallel, DataParallel)) or is_fsdp_module(
-        inner
+    if (
+        isinstance(inner, (DistributedDataParallel, DataParallel))
+        or is_fsdp_module(inner)
+        or is_deepspeed_engine(inner)
     ):
         msg = (
             f"wrap_model: model is already wrapped ({type(inner).__name__}); pass "
@@ -323,6 +347,30 @@ def _check_arguments(
             "fsdp=None for DDP."
         )
         raise ValueError(msg)
+
+
+def _check_deepspeed_arguments(
+    deepspeed: object, ddp_kwargs: object, fsdp: object, mesh: object
+) -> None:
+    if deepspeed is None:
+        msg = (
+            "wrap_model: scheduler= and grad= configure a DeepSpeed engine; pass "
+            "deepspeed=DeepSpeedOptions(...) too, or leave them out."
+        )
+        raise ValueError(msg)
+    if not isinstance(deepspeed, DeepSpeedOptions):
+        msg = (
+            f"wrap_model: deepspeed must be a DeepSpeedOptions or None; got "
+            f"{summary(deepspeed)} ({type(deepspeed).__name__})."
+        )
+        raise TypeError(msg)
+    for name, value in (("ddp_kwargs", ddp_kwargs), ("fsdp", fsdp), ("mesh", mesh)):
+        if value is not None:
+            msg = (
+                f"wrap_model: deepspeed= builds a DeepSpeed engine, which cannot be "
+                f"combined with {name}; got {name}={summary(value)}. Pass one of them."
+            )
+            raise ValueError(msg)
 
 
 def _changed_fields(kwargs: DistributedDataParallelKwargs) -> str:
@@ -405,7 +453,8 @@ def _compiled_module_type() -> type[nn.Module] | None:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the user's module inside ``model``; nothing is changed.
 
-    Walks through ``DistributedDataParallel`` / ``DataParallel`` (``.module``) and
+    Walks through ``DistributedDataParallel`` / ``DataParallel`` and DeepSpeed
+    engines (``.module``; under ZeRO-3 its parameters are partitioned) and
     ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), in any nesting. An
     FSDP2 module (``fully_shard`` changes the module's class in place) is its own
     root and is returned as is, as is an unwrapped module.
@@ -433,7 +482,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if compiled is not None and isinstance(model, compiled):
             inner = model._orig_mod
-        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+        elif isinstance(
+            model, (DistributedDataParallel, DataParallel)
+        ) or is_deepspeed_engine(model):
             inner = model.module
         else:
             return model

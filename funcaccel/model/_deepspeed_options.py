@@ -1,0 +1,271 @@
+"""``DeepSpeedOptions`` and the DeepSpeed config ``wrap_model`` builds from them.
+
+A DeepSpeed run is configured once, by a JSON file or dict, or by the few fields
+most runs change; ``merged_config`` then adds what funcaccel already knows (the
+accumulation steps of the ``GradState``, the precision of the context, the
+micro-batch size) and refuses any value that disagrees with them. Nothing here
+imports DeepSpeed.
+
+>>> DeepSpeedOptions(zero_stage=3).zero_stage
+3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from typing import Final
+
+from funcaccel._checks import summary
+from funcaccel.context import DistributedContext
+from funcaccel.grad_state import GradState
+
+__all__ = ["DeepSpeedOptions", "merged_config"]
+
+_STAGES: Final = (1, 2, 3)
+
+
+def _read_config(config: object) -> dict[str, Any]:
+    owner = "DeepSpeedOptions"
+    if isinstance(config, Mapping):
+        for key in config:
+            if not isinstance(key, str):
+                msg = f"{owner}: config keys must be strings; got {summary(key)}."
+                raise TypeError(msg)
+        # A deep copy through JSON: the record must not share the caller's dicts,
+        # and DeepSpeed takes only JSON values anyway.
+        try:
+            copied: dict[str, Any] = json.loads(json.dumps(dict(config)))
+        except (TypeError, ValueError) as error:
+            msg = f"{owner}: config must hold JSON values only ({error}); got {summary(config)}."
+            raise TypeError(msg) from error
+        return copied
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        try:
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as error:
+            msg = f"{owner}: cannot read the DeepSpeed config file {str(path)!r} ({error}); pass an existing JSON file or a dict."
+            raise ValueError(msg) from error
+        except ValueError as error:
+            msg = f"{owner}: the DeepSpeed config file {str(path)!r} is not valid JSON ({error})."
+            raise ValueError(msg) from error
+        if not isinstance(loaded, dict):
+            msg = f"{owner}: the DeepSpeed config file {str(path)!r} must hold a JSON object; got {summary(loaded)}."
+            raise ValueError(msg)
+        return loaded
+    msg = (
+        f"{owner}: config must be a dict, a path to a JSON file, or None; got "
+        f"{summary(config)} ({type(config).__name__})."
+    )
+    raise TypeError(msg)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DeepSpeedOptions:
+    """Options that make ``wrap_model`` build a DeepSpeed ZeRO engine instead of DDP.
+
+    Give a DeepSpeed ``config`` (a dict, or the path of a JSON file such as
+    Accelerate's ``deepspeed_config_file``), the common fields, or both; a field
+    that is set and also present in ``config`` must agree with it. ``wrap_model``
+    adds ``gradient_accumulation_steps`` (from its ``grad``), ``fp16``/``bf16``
+    (from ``ctx.mixed_precision``), ``train_micro_batch_size_per_gpu`` and
+    ``train_batch_size``, and ``"zero_allow_untested_optimizer": true`` unless
+    ``config`` says otherwise; see ``merged_config``.
+
+    Args:
+        config: a DeepSpeed config as a dict (copied) or a JSON file path (read
+            now); ``None``: only the fields below.
+        zero_stage: ZeRO stage 1, 2 or 3; ``None``: the config's, else 2.
+        offload_optimizer: keep optimizer state on the CPU
+            (``zero_optimization.offload_optimizer.device = "cpu"``).
+        offload_param: keep parameters on the CPU (ZeRO-3 only).
+        gradient_clipping: clip the total gradient norm to this (> 0) at every
+            step; ``None``: the config's, else no clipping.
+        micro_batch_size: samples per micro-batch on one rank (DeepSpeed's
+            ``train_micro_batch_size_per_gpu``, used for its throughput figures);
+            ``None``: the config's, else 1.
+
+    Raises:
+        TypeError: a field of the wrong type, or a config that is not JSON.
+        ValueError: an unreadable config file, a stage other than 1-3, offloaded
+            parameters below stage 3, a clipping norm or batch size not > 0, or a
+            field that disagrees with ``config``.
+    """
+
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None
+    zero_stage: int | None = None
+    offload_optimizer: bool | None = None
+    offload_param: bool | None = None
+    gradient_clipping: float | None = None
+    micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "DeepSpeedOptions"
+        read = {} if self.config is None else _read_config(self.config)
+        object.__setattr__(self, "config", read)
+        for name in ("zero_stage", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int):
+                msg = f"{owner}: {name} must be an int or None; got {summary(value)} ({type(value).__name__})."
+                raise TypeError(msg)
+        for name in ("offload_optimizer", "offload_param"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not bool:
+                msg = f"{owner}: {name} must be a bool or None; got {summary(value)} ({type(value).__name__})."
+                raise TypeError(msg)
+        clip = self.gradient_clipping
+        if clip is not None:
+            if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+                msg = f"{owner}: gradient_clipping must be a float or None; got {summary(clip)} ({type(clip).__name__})."
+                raise TypeError(msg)
+            if not (math.isfinite(clip) and clip > 0):
+                msg = f"{owner}: gradient_clipping must be a finite number > 0; got {clip!r}. Use None for no clipping."
+                raise ValueError(msg)
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            msg = f"{owner}: micro_batch_size must be >= 1; got {self.micro_batch_size}."
+            raise ValueError(msg)
+        zero = read.get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            msg = f"{owner}: config['zero_optimization'] must be an object; got {summary(zero)}."
+            raise ValueError(msg)
+        _agree(owner, "zero_stage", self.zero_stage, "zero_optimization.stage", zero.get("stage"))
+        stage = self.stage
+        if stage not in _STAGES:
+            msg = (
+                f"{owner}: the ZeRO stage must be 1, 2 or 3; got {stage!r}. For "
+                "replicated training without ZeRO use wrap_model's DDP path (no "
+                "deepspeed=)."
+            )
+            raise ValueError(msg)
+        _agree(owner, "offload_optimizer", self.offload_optimizer, "zero_optimization.offload_optimizer", _offloaded(zero, "offload_optimizer"))
+        _agree(owner, "offload_param", self.offload_param, "zero_optimization.offload_param", _offloaded(zero, "offload_param"))
+        if self._offload("offload_param") and stage != 3:
+            msg = f"{owner}: offload_param needs ZeRO stage 3; got stage {stage}. Set zero_stage=3 or offload_param=False."
+            raise ValueError(msg)
+        _agree(owner, "gradient_clipping", clip, "gradient_clipping", read.get("gradient_clipping"))
+        _agree(owner, "micro_batch_size", self.micro_batch_size, "train_micro_batch_size_per_gpu", read.get("train_micro_batch_size_per_gpu"))
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the engine gets: the field, the config's, else 2."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        assert isinstance(self.config, dict)
+        stage = self.config.get("zero_optimization", {}).get("stage", 2)
+        assert isinstance(stage, int) or True  # checked in __post_init__
+        return stage  # type: ignore[no-any-return]
+
+    def _offload(self, name: str) -> bool:
+        value = getattr(self, name)
+        if value is not None:
+            return bool(value)
+        assert isinstance(self.config, dict)
+        return _offloaded(self.config.get("zero_optimization", {}), name) or False
+
+
+def _offloaded(zero: Mapping[str, Any], name: str) -> bool | None:
+    section = zero.get(name)
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        return None
+    return section.get("device", "none") not in ("none", None)
+
+
+def _agree(owner: str, field: str, value: object, key: str, configured: object) -> None:
+    if value is None or configured is None or value == configured:
+        return
+    msg = (
+        f"{owner}: {field}={value!r} disagrees with the config's {key}="
+        f"{configured!r}; remove one of them or make them equal."
+    )
+    raise ValueError(msg)
+
+
+def _conflict(caller: str, key: str, configured: object, known: object, source: str) -> ValueError:
+    return ValueError(
+        f"{caller}: the DeepSpeed config sets {key}={configured!r}, but {source} is "
+        f"{known!r}; funcaccel never chooses between them silently: remove {key} "
+        f"from the config or change {source}."
+    )
+
+
+def merged_config(
+    ctx: DistributedContext, options: DeepSpeedOptions, grad: GradState, *, caller: str
+) -> dict[str, Any]:
+    """Return the DeepSpeed config of ``options`` merged with ``ctx`` and ``grad``.
+
+    ``options`` is left unchanged. ``gradient_accumulation_steps`` becomes
+    ``grad.accumulation_steps``; ``fp16.enabled`` / ``bf16.enabled`` follow
+    ``ctx.mixed_precision``; ``train_batch_size`` is the micro-batch size times
+    the accumulation steps times ``ctx.num_processes``; ``gradient_clipping`` is
+    ``options.gradient_clipping``, else the config's, else 0 (no clipping; DeepSpeed's
+    own default would clip to 1.0). A value already in the
+    config that differs is an error naming both.
+
+    Raises:
+        ValueError: a config value that disagrees with ``grad``, ``ctx`` or
+            the rest of the config.
+
+    >>> from funcaccel.context import DistributedContext
+    >>> cfg = merged_config(DistributedContext(), DeepSpeedOptions(zero_stage=3),
+    ...                     GradState(accumulation_steps=2), caller="f")
+    >>> cfg["gradient_accumulation_steps"], cfg["zero_optimization"]["stage"]
+    (2, 3)
+    >>> merged_config(DistributedContext(),
+    ...               DeepSpeedOptions(config={"gradient_accumulation_steps": 4}),
+    ...               GradState(accumulation_steps=2), caller="f")
+    Traceback (most recent call last):
+    ...
+    ValueError: f: the DeepSpeed config sets gradient_accumulation_steps=4, but GradState.accumulation_steps is 2; funcaccel never chooses between them silently: remove gradient_accumulation_steps from the config or change GradState.accumulation_steps.
+    """
+    assert isinstance(options.config, dict)
+    config: dict[str, Any] = json.loads(json.dumps(options.config))
+    k = grad.accumulation_steps
+    configured = config.get("gradient_accumulation_steps")
+    if configured not in (None, "auto") and configured != k:
+        raise _conflict(caller, "gradient_accumulation_steps", configured, k, "GradState.accumulation_steps")
+    config["gradient_accumulation_steps"] = k
+    for name, wanted in (("fp16", ctx.mixed_precision == "fp16"), ("bf16", ctx.mixed_precision == "bf16")):
+        section = config.get(name, {})
+        if not isinstance(section, dict):
+            msg = f"{caller}: the DeepSpeed config's {name} must be an object; got {summary(section)}."
+            raise ValueError(msg)
+        enabled = section.get("enabled")
+        if enabled not in (None, "auto") and bool(enabled) != wanted:
+            raise _conflict(caller, f"{name}.enabled", enabled, ctx.mixed_precision, "ctx.mixed_precision")
+        config[name] = {**section, "enabled": wanted}
+    micro = options.micro_batch_size or config.get("train_micro_batch_size_per_gpu")
+    micro = 1 if micro in (None, "auto") else micro
+    config["train_micro_batch_size_per_gpu"] = micro
+    total = micro * k * ctx.num_processes
+    configured = config.get("train_batch_size")
+    if configured not in (None, "auto") and configured != total:
+        raise _conflict(
+            caller,
+            "train_batch_size",
+            configured,
+            total,
+            f"micro-batch size x accumulation steps x processes ({micro} x {k} x {ctx.num_processes})",
+        )
+    config["train_batch_size"] = total
+    zero = dict(config.get("zero_optimization", {}))
+    zero["stage"] = options.stage
+    for name in ("offload_optimizer", "offload_param"):
+        value = getattr(options, name)
+        if value is not None and _offloaded(zero, name) is None:
+            zero[name] = {"device": "cpu" if value else "none"}
+    config["zero_optimization"] = zero
+    if options.gradient_clipping is not None:
+        config["gradient_clipping"] = options.gradient_clipping
+    # DeepSpeed's own default clips every step's norm to 1.0; funcaccel clips only
+    # when asked (here or by accumulate_step's max_grad_norm), as on the DDP path.
+    config.setdefault("gradient_clipping", 0.0)
+    config.setdefault("zero_allow_untested_optimizer", True)
+    return config
