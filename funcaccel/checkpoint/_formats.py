@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from funcaccel._checks import summary
-from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_deepspeed_engine
+from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
 from funcaccel.checkpoint import _layout
