@@ -39,9 +39,12 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
 
 
 # Variables written by the tools, not by funcaccel: pytest sets PYTEST_CURRENT_TEST
-# around every test phase, and torch's profiler sets TORCHINDUCTOR_CACHE_DIR the
-# first time a profiler starts in a process.
-_SET_BY_TOOLS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# around every test phase, torch's profiler sets TORCHINDUCTOR_CACHE_DIR the first
+# time a profiler starts in a process, and MLflow sets its telemetry session id the
+# first time a client starts (whichever test that is, in this process).
+_SET_BY_TOOLS = frozenset(
+    {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_MLFLOW_TELEMETRY_SESSION_ID"}
+)
 
 
 def _environment() -> dict[str, str]:
@@ -73,3 +76,14 @@ def _no_leaked_process_group() -> Iterator[None]:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left the default process group initialised")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the files holding slow tests first (the order is otherwise kept).
+
+    With ``-n 2 --dist loadfile`` (the README's test command) each file runs on
+    one worker, in collection order; a slow file collected last would leave the
+    other worker idle at the end.
+    """
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

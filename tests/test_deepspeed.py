@@ -104,6 +104,49 @@ def _train(
     return grad
 
 
+def _items_mask(world: int) -> torch.Tensor:
+    """Which rows count (token-weighted windows): a different number per micro-batch."""
+    rows = torch.arange(MICRO * world * BATCH)
+    return ((rows % 3 != 0) | (rows % 7 == 0)).to(torch.float32)
+
+
+def _items_reference(world: int) -> dict[str, torch.Tensor]:
+    """One process: each window steps with its summed loss over its counted items."""
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    x, y = _data(world)
+    mask = _items_mask(world)
+    for first in range(0, MICRO, K):
+        steps = range(first, min(first + K, MICRO))
+        rows = torch.cat([torch.arange(MICRO * world * BATCH)[_batch(s, r, world)] for s in steps for r in range(world)])
+        errors = (net(x[rows]) - y[rows]) ** 2 * mask[rows, None]
+        items = mask[rows].sum() * 2
+        torch.autograd.backward(errors.sum() / items)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _train_items(
+    ctx: DistributedContext, model: nn.Module, opt: torch.optim.Optimizer, grad: GradState
+) -> GradState:
+    x, y = _data(ctx.num_processes)
+    mask = _items_mask(ctx.num_processes)
+    for step in range(MICRO):
+        rows = _batch(step, ctx.process_index, ctx.num_processes)
+        m = mask[rows]
+        _, grad = accumulate_step(
+            ctx,
+            grad,
+            model,
+            opt,
+            lambda: ((model(x[rows]) - y[rows]) ** 2 * m[:, None]).sum(),
+            end_of_dataloader=step == MICRO - 1,
+            num_items=int(m.sum().item()) * 2,
+        )
+    return grad
+
+
 def _full_state(model: nn.Module, tmp: Path, ctx: DistributedContext) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -156,6 +199,16 @@ def _ds_worker(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
             out["with_optimizer"] = _refused(
                 lambda: save_checkpoint(ctx, tmp / "refused", models=engine, optimizers=opt)
             )
+    # Token-weighted windows (num_items): funcaccel's DDP and ZeRO-2.
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    ddp = wrap_model(ctx, net)
+    _train_items(ctx, ddp, opt, GradState(accumulation_steps=K))
+    out["ddp_items"] = {k: v.detach().clone() for k, v in unwrap_model(ddp).state_dict().items()}
+    engine, opt, _, grad = _engine(ctx, 2)
+    grad = _train_items(ctx, engine, opt, grad)
+    out["zero2_items"] = _full_state(engine, tmp / "export_items", ctx)
+    out["steps_items"] = grad.optimizer_steps
     # Stop after the first window, resume in a fresh engine (other initial
     # weights), finish: the same bits as the unbroken runs above.
     for stage in (2, 3):
@@ -196,6 +249,11 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
             assert rank[f"resumed_lr{stage}"] == [LR * 0.5**3]
             assert any(name.startswith("deepspeed/state/") for name in rank[f"saved_files{stage}"])
         assert "pass optimizers=() with it" in rank["with_optimizer"]
+        items_reference = _items_reference(2)
+        assert rank["steps_items"] == 3
+        for name in ("ddp_items", "zero2_items"):
+            for key, value in items_reference.items():
+                torch.testing.assert_close(rank[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key}")
     # The ZeRO-3 export loads into the plain model, every parameter whole.
     plain = _net(seed=7)
     plain.load_state_dict(results[0]["zero3"], strict=True)
