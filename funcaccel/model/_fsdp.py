@@ -190,14 +190,25 @@ def shard_model(
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=policy,
     )
+    rebind_by_name_(optimizers, before, model)
+    return model
+
+
+def rebind_by_name_(
+    optimizers: Sequence[torch.optim.Optimizer],
+    before: Mapping[str, nn.Parameter],
+    model: nn.Module,
+) -> int:
+    """Point ``optimizers`` at ``model``'s parameters that replaced, under the same
+    names, those in ``before`` (``dict(model.named_parameters(remove_duplicate=False))``
+    taken before sharding or materialising); see ``rebind_optimizers_``."""
     after = dict(model.named_parameters(remove_duplicate=False))
     replaced = {
         id(old): after[name]
         for name, old in before.items()
         if name in after and after[name] is not old
     }
-    rebind_optimizers_(optimizers, replaced)
-    return model
+    return rebind_optimizers_(optimizers, replaced)
 
 
 def rebind_optimizers_(

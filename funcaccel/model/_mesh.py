@@ -27,7 +27,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.mesh import ParallelMesh
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
-from funcaccel.model._fsdp import rebind_optimizers_
+from funcaccel.model._fsdp import rebind_by_name_
 from funcaccel.model._fsdp import shard_model
 
 __all__ = ["check_mesh_wrapping", "wrap_on_mesh"]
@@ -140,13 +140,7 @@ def wrap_on_mesh(
     if wrapped is not None:
         # Both tensor parallelism and FSDP2 replace parameters: re-point each
         # optimizer from the original parameters to the final ones, by name.
-        after = dict(wrapped.named_parameters(remove_duplicate=False))
-        replaced = {
-            id(old): after[name]
-            for name, old in before.items()
-            if name in after and after[name] is not old
-        }
-        rebind_optimizers_(optimizers, replaced)
+        rebind_by_name_(optimizers, before, wrapped)
     return wrapped
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
-from funcaccel.model._fsdp import rebind_optimizers_
+from funcaccel.model._fsdp import rebind_by_name_
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -139,13 +139,7 @@ def materialize_(
         _initialise(module, init_fn)
         if sharded:
             _keep_local_parts_(module, sharded)
-    after = dict(model.named_parameters(remove_duplicate=False))
-    replaced = {
-        id(old): after[name]
-        for name, old in before.items()
-        if name in after and after[name] is not old
-    }
-    rebind_optimizers_(optimizers, replaced)
+    rebind_by_name_(optimizers, before, model)
 
 
 def _keep_local_parts_(module: nn.Module, sharded: dict[str, DTensor]) -> None:
