@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
@@ -19,7 +20,7 @@ from funcaccel import testing
 from funcaccel.context import DistributedContext
 from funcaccel.testing import ContextFields
 
-__all__ = ["Indexed", "SizedStream", "Stream", "rank_ctx"]
+__all__ = ["Indexed", "SizedStream", "Stream", "TpMLP", "rank_ctx"]
 
 
 def rank_ctx(
@@ -69,3 +70,17 @@ class SizedStream(Stream):
 
     def __len__(self) -> int:
         return self.n
+
+
+class TpMLP(nn.Module):
+    """Two linear layers of width 8 for tensor-parallel tests: ``up`` is split by
+    columns (``ColwiseParallel``), ``down`` by rows (``RowwiseParallel``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(torch.tanh(self.up(x)))
+        return out

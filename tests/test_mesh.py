@@ -37,6 +37,7 @@ from funcaccel.model import wrap_model
 from tests._dist import run_ranks
 from tests.fixtures import Indexed
 from tests.fixtures import SizedStream
+from tests.fixtures import TpMLP
 from tests.fixtures import rank_ctx
 
 MESHES = [(1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 3, 2)]
@@ -226,25 +227,12 @@ def test_loader_and_gather_for_metrics_on_a_real_2x2_mesh(tmp_path: Path) -> Non
     assert all(r["objects"] == [0, 2] for r in results)
 
 
-class _MLP(nn.Module):
-    """Two linear layers of width 8: ``up`` is split by columns, ``down`` by rows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(4, 8)
-        self.down = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down(torch.tanh(self.up(x)))
-        return out
-
-
 SAMPLES, GLOBAL_BATCH, K, EPOCHS, MAX_NORM = 40, 8, 2, 2, 0.3
 
 
-def _mlp() -> _MLP:
+def _mlp() -> TpMLP:
     torch.manual_seed(0)
-    return _MLP().double()
+    return TpMLP().double()
 
 
 def _dataset() -> TensorDataset:
@@ -310,7 +298,7 @@ def _train_on_meshes(
         )
         _train(ctx, model, GLOBAL_BATCH // mesh.dp_size, mesh)
         inner = model.module if isinstance(model, DistributedDataParallel) else model
-        assert isinstance(inner, _MLP)
+        assert isinstance(inner, TpMLP)
         weight = inner.up.weight
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         out.append(

@@ -42,6 +42,7 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
 from tests._dist import run_ranks
+from tests.fixtures import TpMLP
 
 SAMPLES, GLOBAL_BATCH, K, EPOCHS, SAVE_AT = 40, 8, 2, 2, 2
 # (dp_replicate, dp_shard, tp, fsdp)
@@ -52,17 +53,6 @@ SAVED_ON = {
 }
 RESUMED_ON_4 = {"fsdp_4x1": (1, 4, 1, True), "ddp_4x1": (4, 1, 1, False)}
 RESUMED_ON_2 = {"tp_1x2": (1, 1, 2, False)}
-
-
-class _MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(4, 8)
-        self.down = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down(torch.tanh(self.up(x)))
-        return out
 
 
 def _dataset() -> TensorDataset:
@@ -76,7 +66,7 @@ def _wrapped(
     ctx: DistributedContext, shape: tuple[int, int, int, bool]
 ) -> tuple[nn.Module, torch.optim.Optimizer, ParallelMesh | None]:
     torch.manual_seed(0)
-    net = _MLP().double()
+    net = TpMLP().double()
     if ctx.num_processes == 1:
         return net, torch.optim.Adam(net.parameters(), lr=0.05), None
     r, s, t, use_fsdp = shape
@@ -191,7 +181,7 @@ def test_a_checkpoint_saved_on_2x2_resumes_on_4x1_1x2_and_one_process(
         _, alone = _train(one_process, (1, 1, 1, False), resume_from=path)
         _close(alone, four[0][f"unbroken_{name}"])
         # save_model gathered the full tensors of the mesh-wrapped model.
-        exported = _MLP().double()
+        exported = TpMLP().double()
         load_model(one_process, exported, tmp_path / f"export_{name}")
         _close(_full_params(exported), four[0][f"unbroken_{name}"])
     assert (
