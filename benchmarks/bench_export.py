@@ -1,25 +1,31 @@
 """Asynchronous checkpoints' training stall, and save_model against safetensors itself.
 
 (a) **Stall.** An MLP's model and AdamW state (``--hidden`` wide, ``--layers``
-deep) is checkpointed with ``save_checkpoint`` synchronously (the loop is blocked
-for the whole write, fsync and SHA-256 included) and with ``asynchronous=True``,
-where the loop is blocked only until the state is staged in CPU memory; the
-background write is then waited for outside the timed region. The asynchronous
-save is timed twice: as a first save (the CPU copy is allocated) and as a loop's
-next save, passed the previous save's handle (``pending=``), which stages into
-that save's CPU copy instead of allocating one. The synchronous
-save runs twice, the second time as the noise control. Target: stall ≤ 0.2× the
-synchronous save.
+deep) is checkpointed in the middle of training: each variant times a save and
+the accumulation window that follows it (``--accumulation`` forward and backward
+passes of ``--batch`` rows, then the optimizer step), and the stall is that time
+minus the median time of a window without a save, measured in the same run (and
+run twice: the second is the noise control). A synchronous ``save_checkpoint``
+blocks for the whole write (fsync and SHA-256 included). With
+``asynchronous=True`` the call returns once the state is staged: what only the
+optimizer changes (parameters, AdamW's moments) is copied into CPU memory in the
+background while the window's forward and backward passes run, and the window's
+optimizer step waits for that copy if it is not done; the background write is
+waited for outside the timed region. The asynchronous save is timed as a first
+save (the CPU copy is allocated) and as a loop's next save, passed the previous
+save's handle (``pending=``), which stages into that save's memory. Target:
+stall ≤ 0.2× the synchronous save's. ``--batch 2 --accumulation 1`` leaves the
+background copy almost no work to overlap with, so the stall is then about the
+copy itself.
 
 (b) **Export.** ``save_model(ctx, model, dir)`` (one ``model.safetensors``,
-written into a temporary directory, fsynced, swapped in) against
+written into a temporary directory, swapped in) against
 ``safetensors.torch.save_file(model.state_dict(), path)`` of the same state dict,
-itself run twice (noise control). Target: within 1.1×. A row with ``save_file``
-followed by an fsync of the file shows what durability alone costs, and a row
-doing by hand what ``save_model`` does for a durable atomic export (``save_file``
-into a temporary directory, fsync of the file and that directory, rename, fsync
-of the parent) is the like-for-like reference: the ratio to it is funcaccel's own
-cost.
+itself run twice (noise control). Target: within 1.1×. ``save_model(...,
+durable=True)`` also fsyncs; a row with ``save_file`` followed by an fsync of the
+file shows what durability alone costs, and a row doing by hand what the durable
+export does (``save_file`` into a temporary directory, fsync of the file and that
+directory, rename, fsync of the parent) is its like-for-like reference.
 
 Variants are interleaved repetition by repetition; times are wall clock (disk
 writes happen outside this thread). One process, CPU.
@@ -93,12 +99,39 @@ def _table(title: str, samples: dict[str, list[float]], reference: str) -> None:
         )
 
 
+WINDOW = "a window, no save"
+SYNC = "synchronous save_checkpoint"
+SYNC_AGAIN = "synchronous again (noise control)"
+FIRST = "asynchronous, first save"
+NEXT = "asynchronous, next save (pending=)"
+
+
+def _stall_table(windows: dict[str, list[float]], calls: dict[str, list[float]]) -> None:
+    """Print each save's stall: its window's time minus a window's without a save."""
+    base = statistics.median(windows[WINDOW])
+    stalls = {name: [t - base for t in values] for name, values in windows.items()}
+    sync = statistics.median(stalls[SYNC])
+    print("\n## Training stall of a checkpoint\n")
+    print(f"A window without a save: median {base * 1e3:.2f} ms.\n")
+    print("| variant | save + window, median ms | the call alone, median ms | stall, median ms | stall IQR ms | stall / synchronous stall |")
+    print("|---|---|---|---|---|---|")
+    for name, values in stalls.items():
+        q1, median, q3 = _quartiles(values)
+        call = f"{statistics.median(calls[name][1:]) * 1e3:.2f}" if name in calls else "-"  # [0]: warm-up
+        print(
+            f"| {name} | {statistics.median(windows[name]) * 1e3:.2f} | {call} | "
+            f"{median * 1e3:.2f} | {(q3 - q1) * 1e3:.2f} | {median / sync:.3f}× |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=64, help="rows per micro-batch")
+    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per window")
     parser.add_argument("--dir", type=Path, default=None, help="where files go (a temporary dir)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,45 +146,65 @@ def main() -> None:
         shutil.rmtree(path, ignore_errors=True)
         return path
 
-    def sync_save(name: str) -> Run:
+    inputs = torch.randn(args.batch, args.hidden)
+
+    def window() -> None:
+        for _ in range(args.accumulation):
+            model(inputs).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def alone() -> float:
+        start = time.perf_counter()
+        window()
+        return time.perf_counter() - start
+
+    calls: dict[str, list[float]] = {}
+
+    def timed(name: str, save: Callable[[Path], object]) -> Run:
+        """Time ``save`` and the window after it; keep the call's own time apart."""
+
         def run() -> float:
-            root = fresh(name)
+            root = fresh(str(abs(hash(name))))
             start = time.perf_counter()
-            save_checkpoint(ctx, root, models=model, optimizers=opt)
-            return time.perf_counter() - start
+            pending = save(root)
+            returned = time.perf_counter()
+            window()
+            end = time.perf_counter()
+            if isinstance(pending, PendingCheckpoint):
+                pending.wait()  # outside the timing: the writer had the window's time
+            calls.setdefault(name, []).append(returned - start)
+            return end - start
 
         return run
 
-    def async_stall() -> float:
-        root = fresh("async")
-        start = time.perf_counter()
-        pending = save_checkpoint(ctx, root, models=model, optimizers=opt, asynchronous=True)
-        stall = time.perf_counter() - start
-        pending.wait()
-        return stall
+    def sync_save(root: Path) -> object:
+        return save_checkpoint(ctx, root, models=model, optimizers=opt)
+
+    def async_save(root: Path) -> object:
+        return save_checkpoint(ctx, root, models=model, optimizers=opt, asynchronous=True)
 
     # As a training loop saves: each save gets the previous one's handle, so it
     # stages into that save's CPU copy. Its wait() ran before (outside the timing),
     # as in a loop where the previous save has long been written.
     previous: list[PendingCheckpoint] = []
 
-    def async_reused_stall() -> float:
-        root = fresh("async-reused")
+    def async_next_save(root: Path) -> object:
         before = previous.pop() if previous else None
-        start = time.perf_counter()
         pending = save_checkpoint(
             ctx, root, models=model, optimizers=opt, asynchronous=True, pending=before
         )
-        stall = time.perf_counter() - start
-        pending.wait()
         previous.append(pending)
-        return stall
+        return pending
 
-    def export() -> float:
-        root = fresh("export")
-        start = time.perf_counter()
-        save_model(ctx, model, root)
-        return time.perf_counter() - start
+    def export(*, durable: bool) -> Run:
+        def run() -> float:
+            root = fresh(f"export-{durable}")
+            start = time.perf_counter()
+            save_model(ctx, model, root, durable=durable)
+            return time.perf_counter() - start
+
+        return run
 
     def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -188,12 +241,14 @@ def main() -> None:
         return time.perf_counter() - start
 
     try:
-        stall = _measure(
+        windows = _measure(
             {
-                "synchronous save_checkpoint": sync_save("sync"),
-                "synchronous again (noise control)": sync_save("sync2"),
-                "asynchronous, first save: stall until staged": async_stall,
-                "asynchronous, next save (pending=): stall until staged": async_reused_stall,
+                WINDOW: alone,
+                "a window, no save, again (noise control)": alone,
+                SYNC: timed(SYNC, sync_save),
+                SYNC_AGAIN: timed(SYNC_AGAIN, sync_save),
+                FIRST: timed(FIRST, async_save),
+                NEXT: timed(NEXT, async_next_save),
             },
             args.repeats,
         )
@@ -203,7 +258,8 @@ def main() -> None:
                 "save_file again (noise control)": reference("ref2"),
                 "save_file + fsync of the file": reference("ref3", durable=True),
                 "save_file, fsync of file and directory, rename, fsync of parent": atomic_reference,
-                "save_model": export,
+                "save_model": export(durable=False),
+                "save_model(..., durable=True)": export(durable=True),
             },
             args.repeats,
         )
@@ -212,9 +268,10 @@ def main() -> None:
     print(
         f"MLP {args.layers} x {args.hidden}: model {nbytes / 1e6:.1f} MB (+ AdamW "
         f"state {2 * nbytes / 1e6:.1f} MB in checkpoints), {args.repeats} interleaved "
-        f"repetitions, wall clock, {args.threads} torch thread(s), files in {work.parent}"
+        f"repetitions, wall clock, {args.threads} torch thread(s), windows of "
+        f"{args.accumulation} x {args.batch} rows, files in {work.parent}"
     )
-    _table("Training stall of a checkpoint", stall, "synchronous save_checkpoint")
+    _stall_table(windows, calls)
     _table("Export of the model's weights", exports, "safetensors.torch.save_file")
 
 

@@ -24,6 +24,7 @@ from funcaccel.checkpoint import list_checkpoints
 from funcaccel.checkpoint import load_checkpoint
 from funcaccel.checkpoint import read_checkpoint_meta
 from funcaccel.checkpoint import save_checkpoint
+from funcaccel.checkpoint._async import DeferredCopy
 from funcaccel.context import DistributedContext
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
@@ -203,6 +204,112 @@ def test_a_background_failure_is_raised_by_wait_and_the_previous_stays_latest(
     assert latest_checkpoint(tmp_path) == previous
     monkeypatch.setattr(funcaccel.checkpoint._layout, "write_torch_file", _write)
     assert save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000002"
+
+
+# --- what only the optimizers change is copied after the return -------------------
+
+
+def _held_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the background copy of optimizer-owned tensors wait for the event."""
+    release = threading.Event()
+    original = DeferredCopy.run
+
+    def held(self: DeferredCopy) -> None:
+        assert release.wait(timeout=60)
+        original(self)
+
+    monkeypatch.setattr(DeferredCopy, "run", held)
+    return release
+
+
+def _bn_model(seed: int = 0) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def test_a_step_waits_for_the_copy_and_forward_backward_do_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _bn_model()
+    _train(model, opt)
+    saved = _copy(model)
+    saved_state = {k: v.clone() for k, v in opt.state[model.get_parameter("0.weight")].items()}
+    release = _held_copy(monkeypatch)
+    pending = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    assert "staging" in repr(pending)
+    # The next micro-step's forward and backward run while the copy is held: the
+    # BatchNorm running statistics (no optimizer changes them) were copied already.
+    model(torch.randn(4, 3)).square().mean().backward()
+    stepped = threading.Event()
+
+    def step() -> None:
+        opt.step()
+        stepped.set()
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    assert not stepped.wait(timeout=0.3)  # the step waits for the copy
+    assert torch.equal(model.get_parameter("0.weight"), saved["0.weight"])
+    release.set()
+    assert stepped.wait(timeout=60)
+    stepper.join()
+    path = pending.wait()
+    assert not opt._optimizer_step_pre_hooks  # no hook left behind
+    fresh, fresh_opt = _bn_model(seed=1)
+    load_checkpoint(ONE, path, models=fresh, optimizers=fresh_opt)
+    assert _same(_copy(fresh), saved)  # before the forward and the step
+    assert not torch.equal(model.get_buffer("1.running_mean"), saved["1.running_mean"])
+    assert not torch.equal(model.get_parameter("0.weight"), saved["0.weight"])
+    loaded_state = fresh_opt.state[fresh.get_parameter("0.weight")]
+    assert all(torch.equal(loaded_state[k], v) for k, v in saved_state.items())
+
+
+def test_an_in_place_change_before_the_copy_fails_the_save_not_silently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    _train(model, opt)
+    previous = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt)
+    release = _held_copy(monkeypatch)
+    pending = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    last_bias = list(model.parameters())[-1]  # the state dict's 2.bias
+    with torch.no_grad():
+        last_bias.add_(1.0)  # not through the optimizer: nothing waits
+    release.set()
+    with pytest.raises(
+        RuntimeError,
+        match=r"save_checkpoint: the checkpoint was not written \(the previous one is still the latest\); rank 0: staging .*checkpoint-000002.tmp failed in the background: model_0.pt/2.bias changed in place after save_checkpoint\(\.\.\., asynchronous=True\) returned but before the background copy of it had finished, .* or call handle.wait_staged\(\) before changing them otherwise",
+    ):
+        pending.wait()
+    assert latest_checkpoint(tmp_path) == previous
+    assert not opt._optimizer_step_pre_hooks
+    # The same change after wait_staged() is safe, and the save holds the old value.
+    before = _copy(model)
+    pending = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    pending.wait_staged()
+    with torch.no_grad():
+        last_bias.add_(1.0)
+    fresh, fresh_opt = _model(seed=1)
+    load_checkpoint(ONE, pending.wait(), models=fresh, optimizers=fresh_opt)
+    assert _same(_copy(fresh), before)
+
+
+def test_without_optimizers_everything_is_copied_before_the_return(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    release = _held_copy(monkeypatch)  # would hang a deferred copy; none is made
+    release.set()
+    saved = _copy(model)
+    pending = save_checkpoint(ONE, tmp_path, models=model, asynchronous=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # changed at once: the copy was made before the return
+    fresh, _ = _model(seed=1)
+    load_checkpoint(ONE, pending.wait(), models=fresh)
+    assert _same(_copy(fresh), saved)
+    assert not opt._optimizer_step_pre_hooks
 
 
 def test_asynchronous_must_be_a_bool(tmp_path: Path) -> None:

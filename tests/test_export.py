@@ -253,10 +253,10 @@ def test_a_write_failing_after_the_first_shard_leaves_the_previous_export(
     original = funcaccel.checkpoint._export_files.write_shard
     written: list[Path] = []
 
-    def failing(tensors: Tensors, path: Path, *, safe: bool) -> None:
+    def failing(tensors: Tensors, path: Path, *, safe: bool, durable: bool) -> None:
         if written:
             raise OSError("disk full (simulated)")
-        original(tensors, path, safe=safe)
+        original(tensors, path, safe=safe, durable=durable)
         written.append(path)
 
     monkeypatch.setattr(funcaccel.checkpoint._export_files, "write_shard", failing)
@@ -268,6 +268,41 @@ def test_a_write_failing_after_the_first_shard_leaves_the_previous_export(
     load_model(ONE, fresh, out)
     assert _same(fresh.state_dict(), first.state_dict())
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("safe", [True, False])
+@pytest.mark.parametrize("exchange", [True, False])
+def test_durable_fsyncs_every_file_and_directory_and_the_default_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, safe: bool, exchange: bool
+) -> None:
+    model = _LM(vocab=40, width=8)
+    out = save_model(ONE, model, tmp_path / "out", max_shard_size=1000, safe_serialization=safe)
+    if not exchange:
+        monkeypatch.setattr(funcaccel.checkpoint._export_dir, "_exchange", lambda a, b: False)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    save_model(ONE, model, out, max_shard_size=1000, safe_serialization=safe)
+    assert synced == []  # the default: atomic against a kill, no waiting for the disk
+    save_model(ONE, model, out, max_shard_size=1000, safe_serialization=safe, durable=True)
+    names = sorted(p.name for p in out.iterdir())
+    assert len(names) > 2  # several shards and the index
+    temporary = tmp_path / ".out.export.tmp"
+    # Every file while still in the temporary directory, then that directory, then
+    # the parent after the swap (a rename is durable only once its directory is).
+    assert sorted(synced[: len(names)]) == sorted(str(temporary / n) for n in names)
+    assert synced[len(names) :] == [str(temporary), str(tmp_path)]
+    assert _same(_files(out) if safe else {}, _expected(model) if safe else {})
+    fresh = _LM(vocab=40, width=8, seed=3)
+    load_model(ONE, fresh, out)
+    assert _same(fresh.state_dict(), model.state_dict())
+    with pytest.raises(TypeError, match=r"save_model: durable must be a bool; got 'yes'"):
+        save_model(ONE, model, out, durable="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("exchange", [True, False])

@@ -17,11 +17,11 @@ take the same number and delete the files being written), while a marker a
 killed process left behind is recognised as stale and cleaned up.
 
 >>> state = {"w": torch.ones(2)}
->>> staged, buffers = stage(state)
+>>> staged, buffers, _ = stage(state)
 >>> _ = state["w"].add_(1)  # training goes on
 >>> staged["w"].tolist()
 [1.0, 1.0]
->>> again, _ = stage(state, buffers)  # the next save: the same memory, refilled
+>>> again, _, _ = stage(state, buffers)  # the next save: the same memory, refilled
 >>> again["w"].tolist(), again["w"].untyped_storage().data_ptr() == buffers[0].data_ptr()
 ([2.0, 2.0], True)
 """
@@ -40,12 +40,21 @@ from pathlib import Path
 from typing import Final
 
 import torch
+from torch import nn
 
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 
-__all__ = ["PendingCheckpoint", "own_pending_save", "stage", "take_buffers"]
+__all__ = [
+    "DeferredCopy",
+    "PendingCheckpoint",
+    "optimizer_storages",
+    "own_pending_save",
+    "stage",
+    "storage_key",
+    "take_buffers",
+]
 
 Finish = Callable[[dict[str, FileEntry], str | None], Path]
 _MARKER: Final = ".async-save-"
@@ -71,20 +80,94 @@ def own_pending_save(root: Path) -> str | None:
     return None
 
 
-def _tensors(value: object) -> Iterator[torch.Tensor]:
+def _tensors(value: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
-        yield value
+        yield path, value
     elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
+        for key, item in value.items():
+            yield from _tensors(item, f"{path}/{key}" if path else str(key))
     elif isinstance(value, (list, tuple, set)):
-        for item in value:
-            yield from _tensors(item)
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{path}/{i}")
+
+
+StorageKey = tuple[torch.device, int]
+
+
+def storage_key(tensor: torch.Tensor) -> StorageKey:
+    """Identify ``tensor``'s storage (views of one storage share the key)."""
+    return (tensor.device, tensor.untyped_storage().data_ptr())
+
+
+def optimizer_storages(
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> frozenset[StorageKey]:
+    """Return the CPU storages only ``optimizers``' steps change: parameters and state.
+
+    These are what an asynchronous save may copy after it returns, while the
+    loop's next forward and backward run: each optimizer's step waits for it.
+    """
+    owned: list[torch.Tensor] = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            owned.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+        for per_param in optimizer.state.values():
+            owned.extend(tensor for _, tensor in _tensors(per_param))
+    # Plain CPU tensors only (a DTensor's state goes through DCP before the return).
+    return frozenset(
+        storage_key(t)
+        for t in owned
+        if type(t) in (torch.Tensor, nn.Parameter)
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+    )
+
+
+class DeferredCopy:
+    """The part of a staged copy made after ``save_checkpoint`` has returned.
+
+    Holds pairs of (source storage's bytes, staged bytes) and, for every tensor
+    of the state in those storages, its version counter at the save: ``run()``
+    copies, then refuses (``RuntimeError``) a copy that an in-place change made
+    in the meantime may have torn. An optimizer's step cannot be one: it waits
+    for the copy.
+    """
+
+    def __init__(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        versions: list[tuple[str, torch.Tensor, int]],
+    ) -> None:
+        self._pairs = pairs
+        self._versions = versions
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def run(self) -> None:
+        """Copy every deferred storage; raise if a source changed before its copy."""
+        for source, target in self._pairs:
+            target.copy_(source)
+        changed = [name for name, tensor, version in self._versions if tensor._version != version]
+        self._pairs, self._versions = [], []
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            msg = (
+                f"{shown} changed in place after save_checkpoint(..., asynchronous=True) "
+                "returned but before the background copy of it had finished, so the copy "
+                "may mix old and new values; change the saved tensors only through the "
+                "saved optimizers' step() (which waits for the copy), or call "
+                "handle.wait_staged() before changing them otherwise"
+            )
+            raise RuntimeError(msg)
 
 
 def stage(
-    files: dict[str, object], buffers: Sequence[torch.UntypedStorage] = ()
-) -> tuple[dict[str, object], tuple[torch.UntypedStorage, ...]]:
+    files: dict[str, object],
+    buffers: Sequence[torch.UntypedStorage] = (),
+    *,
+    defer: frozenset[StorageKey] = frozenset(),
+) -> tuple[dict[str, object], tuple[torch.UntypedStorage, ...], DeferredCopy]:
     """Return a deep copy of ``files`` whose tensors are CPU copies, and their storages.
 
     Tensors that shared memory share it in the copy too (one storage copied once),
@@ -94,13 +177,17 @@ def stage(
     in order instead of allocating when the state has the same storages and byte
     sizes, which saves the allocation and its page faults on every save after
     the first. Otherwise fresh storages are allocated (pinned for CUDA sources).
+
+    Storages in ``defer`` are not copied yet: the returned ``DeferredCopy`` copies
+    them (the copy's tensors already point at their memory). Everything else is
+    copied before this returns.
     """
     sources: list[torch.Tensor] = []
-    seen: set[tuple[torch.device, int]] = set()
-    for tensor in _tensors(files):
+    seen: set[StorageKey] = set()
+    for _, tensor in _tensors(files):
         if tensor.layout == torch.strided and type(tensor) is torch.Tensor:
             source = tensor.untyped_storage()
-            key = (tensor.device, source.data_ptr())
+            key = storage_key(tensor)
             if key not in seen:
                 seen.add(key)
                 raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
@@ -110,7 +197,8 @@ def stage(
         b.device.type == "cpu" and b.nbytes() == s.numel()
         for b, s in zip(buffers, sources, strict=True)
     )
-    copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    copies: dict[StorageKey, torch.UntypedStorage] = {}
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, raw in enumerate(sources):
         if reuse:
             target = torch.empty(0, dtype=torch.uint8)
@@ -118,23 +206,28 @@ def stage(
         else:
             pinned = raw.device.type == "cuda"
             target = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=pinned)
-        target.copy_(raw)  # the whole storage, in one go
-        copies[(raw.device, raw.untyped_storage().data_ptr())] = (
-            target.untyped_storage()
-        )
+        key = storage_key(raw)
+        if key in defer:
+            later.append((raw, target))
+        else:
+            target.copy_(raw)  # the whole storage, in one go
+        copies[key] = target.untyped_storage()
     memo: dict[int, object] = {}
-    for tensor in _tensors(files):
+    versions: list[tuple[str, torch.Tensor, int]] = []
+    for name, tensor in _tensors(files):
         if id(tensor) in memo:
             continue
         if tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
             memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
             continue
-        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        key = storage_key(tensor)
+        if key in defer:
+            versions.append((name, tensor, tensor._version))
         copied = torch.empty(0, dtype=tensor.dtype)
         copied.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
         memo[id(tensor)] = copied
     staged: dict[str, object] = copy.deepcopy(files, memo)
-    return staged, tuple(copies.values())
+    return staged, tuple(copies.values()), DeferredCopy(later, versions)
 
 
 class PendingCheckpoint:
@@ -159,6 +252,8 @@ class PendingCheckpoint:
         *,
         error: str | None = None,
         buffers: tuple[torch.UntypedStorage, ...] = (),
+        deferred: DeferredCopy | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         self.path = path
         self._buffers = buffers  # the staged copy's memory, for the next save
@@ -169,16 +264,33 @@ class PendingCheckpoint:
         self._error = error  # staging failed: nothing to write
         self._cause: BaseException | None = None
         self._outcome: Path | BaseException | None = None
+        self._staged = threading.Event()
+        where = path.parent / ("." + path.name + ".tmp")
 
         def run() -> None:
+            try:
+                if self._error is None and deferred is not None:
+                    deferred.run()
+            except Exception as failure:
+                self._error = f"staging {where} failed in the background: {failure}"
+                self._cause = failure
+            finally:
+                self._staged.set()  # optimizers' steps may go on, whatever happened
             if self._error is not None:
                 return
             try:
                 self._entries = write()
             except Exception as failure:  # any failure is reported by wait()
-                self._error = f"writing into {path.parent / ('.' + path.name + '.tmp')} failed in the background: {type(failure).__name__}: {failure}"
+                self._error = f"writing into {where} failed in the background: {type(failure).__name__}: {failure}"
                 self._cause = failure
 
+        # Until the deferred copy is made, a step of a saved optimizer (the only
+        # code that changes what is deferred) waits for it.
+        self._hooks = (
+            [opt.register_step_pre_hook(self._hold) for opt in optimizers]
+            if deferred
+            else []
+        )
         self._thread = threading.Thread(
             target=run, name=f"funcaccel-save-{path.name}", daemon=False
         )
@@ -187,9 +299,22 @@ class PendingCheckpoint:
             self._marker.touch()
         self._thread.start()
 
+    def _hold(self, optimizer: object, args: object, kwargs: object) -> None:
+        self._staged.wait()
+
     def done(self) -> bool:
         """Return whether the background writing has finished (no waiting, not collective)."""
         return not self._thread.is_alive()
+
+    def wait_staged(self) -> None:
+        """Block until the state is copied into CPU memory (not collective).
+
+        After it, the saved tensors may be changed in any way. A step of a saved
+        optimizer waits for this by itself; call it before changing saved tensors
+        by other means (``load_state_dict``, in-place edits, an EMA update of a
+        saved model) while the save is pending.
+        """
+        self._staged.wait()
 
     def wait(self) -> Path:
         """Finish the save: join the writer, then commit (collective, every rank).
@@ -207,6 +332,9 @@ class PendingCheckpoint:
         """
         if self._outcome is None:
             self._thread.join()
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
             try:
                 if self._ctx.is_main_process:
                     self._marker.unlink(missing_ok=True)
@@ -222,6 +350,8 @@ class PendingCheckpoint:
 
     def __repr__(self) -> str:
         state = "writing" if not self.done() else "written"
+        if not self._staged.is_set():
+            state = "staging"
         if self._outcome is not None:
             state = "failed" if isinstance(self._outcome, BaseException) else "complete"
         return f"PendingCheckpoint(path={str(self.path)!r}, {state})"

@@ -84,6 +84,7 @@ def save_model(
     *,
     max_shard_size: int | str = "5GB",
     safe_serialization: bool = True,
+    durable: bool = False,
 ) -> Path:
     """Export ``model``'s full weights into ``directory`` (collective; rank 0 writes).
 
@@ -107,9 +108,13 @@ def save_model(
     the next two files and the index.
 
     The export replaces ``directory``'s previous weights atomically: it is
-    written into ``.<name>.export.tmp`` beside it, fsynced, then swapped in, so a
-    process killed at any moment leaves the previous export loadable. Other files
-    in ``directory`` (``config.json``, a tokenizer) are kept.
+    written into ``.<name>.export.tmp`` beside it, then swapped in, so a process
+    killed at any moment leaves the previous export (or the new one) whole and
+    loadable. Other files in ``directory`` (``config.json``, a tokenizer) are
+    kept. Like ``save_file`` and ``save_pretrained`` it returns with the data in
+    the operating system's cache; ``durable=True`` also fsyncs every file and
+    directory before and after the swap, so that the export survives a power loss
+    or an operating-system crash too, at the cost of waiting for the disk.
 
     Args:
         ctx: the distributed context.
@@ -118,6 +123,7 @@ def save_model(
         max_shard_size: the largest file, in bytes or as a string: ``"5GB"`` is
             5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30 (also KB, MB, KiB, MiB).
         safe_serialization: safetensors (``True``) or ``torch.save`` files.
+        durable: fsync the files and directories (power-loss safe) before returning.
 
     Returns:
         ``Path(directory)``, on every rank once the export is complete.
@@ -140,9 +146,11 @@ def save_model(
                 directory,
                 max_shard_size=max_shard_size,
                 safe_serialization=safe_serialization,
+                durable=durable,
             )
     limit = parse_shard_size(max_shard_size, caller=caller)
     safe = check_bool(caller, "safe_serialization", safe_serialization)
+    check_bool(caller, "durable", durable)
     module = unwrap_model(model)
     entries, _ = plan_export(module, caller=caller)
     shards = plan_shards(entries, limit)
@@ -175,7 +183,9 @@ def save_model(
                 tensors[entry.name] = _for_file(full)
         if temporary is not None and error is None:
             try:
-                _export_files.write_shard(tensors, temporary / name, safe=safe)
+                _export_files.write_shard(
+                    tensors, temporary / name, safe=safe, durable=durable
+                )
             except (OSError, RuntimeError, ValueError) as failure:
                 error = f"writing {temporary / name} failed: {failure}"
         del tensors
@@ -186,9 +196,11 @@ def save_model(
             if error is None and len(shards) > 1:
                 weight_map = {e.name: n for s, n in zip(shards, names, strict=True) for e in s}
                 total = sum(e.nbytes for e in entries)
-                _export_files.write_index(temporary / index_name(safe=safe), weight_map, total)
+                _export_files.write_index(
+                    temporary / index_name(safe=safe), weight_map, total, durable=durable
+                )
             if error is None:
-                commit_export(root, temporary)
+                commit_export(root, temporary, durable=durable)
         except OSError as failure:
             error = f"committing {temporary} into {root} failed: {failure}"
         if error is not None:

@@ -1,13 +1,15 @@
 """Where an export is written and how it replaces the previous one atomically.
 
 ``save_model(ctx, model, "out")`` writes into ``.out.export.tmp`` next to ``out``
-(same parent, so same file system), fsyncs every file and the directory, then swaps
-it with ``out``: on Linux in one ``renameat2(RENAME_EXCHANGE)`` call, elsewhere by
+(same parent, so same file system), then swaps it with ``out``: on Linux in one ``renameat2(RENAME_EXCHANGE)`` call, elsewhere by
 renaming ``out`` to ``.out.export.old`` and the new one to ``out``. The previous
 export is deleted only after that. A process killed at any moment leaves ``out``
 holding either the previous export or the new one, whole; a kill between the two
 fallback renames leaves the previous one at ``.out.export.old``, which
-``load_model`` reads and the next ``save_model`` puts back first.
+``load_model`` reads and the next ``save_model`` puts back first. A durable export
+(``save_model(..., durable=True)``) also fsyncs every file and the directory before
+the swap and the parent after it, so that a power loss or an operating-system
+crash cannot leave the new name holding files whose data never reached the disk.
 
 Files of ``out`` that are not export files (``config.json``, tokenizer files) are
 carried into the new directory as hard links (copies where links fail), so a new
@@ -145,20 +147,24 @@ def _exchange(first: Path, second: Path) -> bool:
     return status == 0
 
 
-def commit_export(directory: Path, temporary: Path) -> None:
-    """Make the export in ``temporary`` (files already fsynced) the one at ``directory``."""
-    fsync_directory(temporary)
-    parent = directory.parent
+def commit_export(directory: Path, temporary: Path, *, durable: bool) -> None:
+    """Make the export in ``temporary`` the one at ``directory``.
+
+    With ``durable`` (its files already fsynced) the directories are fsynced too:
+    ``temporary`` before the swap, the parent after it.
+    """
+    if durable:
+        fsync_directory(temporary)
+    replaced: Path | None = None  # where the previous export is after the swap
     if not _exists(directory):
         os.rename(temporary, directory)
-        fsync_directory(parent)
-        return
-    if _exchange(temporary, directory):
-        fsync_directory(parent)
-        shutil.rmtree(temporary)  # now the previous export
-        return
-    parked = previous_export(directory)
-    os.rename(directory, parked)
-    os.rename(temporary, directory)
-    fsync_directory(parent)
-    shutil.rmtree(parked)
+    elif _exchange(temporary, directory):
+        replaced = temporary
+    else:
+        replaced = previous_export(directory)
+        os.rename(directory, replaced)
+        os.rename(temporary, directory)
+    if durable:
+        fsync_directory(directory.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced)

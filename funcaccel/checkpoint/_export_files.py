@@ -1,7 +1,8 @@
 """How an export's files are written, and read back as untrusted input.
 
 ``write_shard`` writes one file (safetensors with ``{"format": "pt"}`` metadata, as
-transformers writes it, or a weights-only ``torch.save`` dict) and fsyncs it.
+transformers writes it, or a weights-only ``torch.save`` dict), fsynced when the
+export is to be durable.
 ``read_layout`` finds an export's files in a directory (the index if there is one,
 else the single file), checks every name the index gives as a checkpoint's names
 are checked (a plain relative path to a regular file inside the directory), and
@@ -36,26 +37,36 @@ _INDEX_LIMIT: Final = 64 << 20
 _BAD_FILE: Final = "the export is damaged or crafted; export the model again"
 
 
-def write_shard(tensors: dict[str, torch.Tensor], path: Path, *, safe: bool) -> None:
-    """Write ``tensors`` (contiguous CPU tensors) to the new file ``path``; fsync it."""
+def write_shard(
+    tensors: dict[str, torch.Tensor], path: Path, *, safe: bool, durable: bool
+) -> None:
+    """Write ``tensors`` (contiguous CPU tensors) to the new file ``path``.
+
+    With ``durable`` the file is fsynced before this returns.
+    """
     if safe:
         safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
-        with path.open("rb") as file:
-            os.fsync(file.fileno())
+        if durable:
+            with path.open("rb") as file:
+                os.fsync(file.fileno())
         return
     with path.open("xb") as file:
         torch.save(tensors, file)
         file.flush()
-        os.fsync(file.fileno())
+        if durable:
+            os.fsync(file.fileno())
 
 
-def write_index(path: Path, weight_map: dict[str, str], total_size: int) -> None:
+def write_index(
+    path: Path, weight_map: dict[str, str], total_size: int, *, durable: bool
+) -> None:
     """Write the index transformers reads: ``metadata.total_size`` and ``weight_map``."""
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     with path.open("x", encoding="utf-8") as file:
         file.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         file.flush()
-        os.fsync(file.fileno())
+        if durable:
+            os.fsync(file.fileno())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

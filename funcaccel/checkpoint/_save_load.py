@@ -71,7 +71,9 @@ from funcaccel.checkpoint._agree import _all_gather
 from funcaccel.checkpoint._agree import _check_save_values
 from funcaccel.checkpoint._agree import _raise_failures
 from funcaccel.checkpoint._agree import _read_checked
+from funcaccel.checkpoint._async import DeferredCopy
 from funcaccel.checkpoint._async import PendingCheckpoint
+from funcaccel.checkpoint._async import optimizer_storages
 from funcaccel.checkpoint._async import own_pending_save
 from funcaccel.checkpoint._async import stage
 from funcaccel.checkpoint._async import take_buffers
@@ -334,11 +336,15 @@ def save_checkpoint(
     entries: dict[str, FileEntry] = {}
     staged: dict[str, object] = {}
     buffers: tuple[torch.UntypedStorage, ...] = ()
+    deferred: DeferredCopy | None = None
     try:
         if error is None and asynchronous:
             # A copy (training may change the originals now), into the previous
-            # save's staging memory when the state has the same layout.
-            staged, buffers = stage(files, reusable)
+            # save's staging memory when the state has the same layout. What
+            # only the optimizers' steps change is copied in the background.
+            staged, buffers, deferred = stage(
+                files, reusable, defer=optimizer_storages(objs.optimizers)
+            )
         elif error is None:
             entries = _formats.write_files(temporary, files)
     except (OSError, RuntimeError) as failure:
@@ -354,6 +360,8 @@ def save_checkpoint(
         finish,
         error=error,
         buffers=buffers,
+        deferred=deferred,
+        optimizers=objs.optimizers,
     )
 
 
