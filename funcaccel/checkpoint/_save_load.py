@@ -225,8 +225,13 @@ def save_checkpoint(
     ``rng_rank_1.pt`` from each rank, then ``manifest.json``.
 
     With ``asynchronous=True`` it returns a ``PendingCheckpoint`` as soon as the
-    state is staged (copied into CPU memory), and a background thread writes the
-    files while training goes on; ``pending.wait()``, called on every rank (or the
+    state is staged, and a background thread writes the files while training
+    goes on. What only the saved optimizers' steps change (their CPU parameters
+    and state) is copied into CPU memory by that thread while the next forward
+    and backward passes run; each saved optimizer's ``step()`` waits for the copy,
+    and a tensor of that kind changed in place otherwise before its copy fails
+    the save (``handle.wait_staged()`` first makes such a change safe).
+    Everything else is copied before the return; ``pending.wait()``, called on every rank (or the
     next ``save_checkpoint`` into ``directory``), completes the checkpoint and
     raises any failure of the background writing. ``latest`` moves only then, so
     a process killed before leaves the previous checkpoint current. With FSDP2
