@@ -152,7 +152,8 @@ def save_model(
     safe = check_bool(caller, "safe_serialization", safe_serialization)
     check_bool(caller, "durable", durable)
     module = unwrap_model(model)
-    entries, _ = plan_export(module, caller=caller)
+    state = module.state_dict()
+    entries, _ = plan_export(module, state, caller=caller)
     shards = plan_shards(entries, limit)
     names = shard_names(len(shards), safe=safe)
     guard_collective(ctx, caller)
@@ -171,7 +172,6 @@ def save_model(
     # Without sharded tensors only rank 0 has work; with them every rank gathers
     # each tensor in plan order, and the ranks agree after each file to stop together.
     sharded = any(entry.sharded for entry in entries)
-    state = module.state_dict()
     for shard, name in zip(shards, names, strict=True):
         if not (sharded or ctx.is_main_process):
             break

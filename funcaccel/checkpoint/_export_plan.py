@@ -172,17 +172,24 @@ def tied_names(module: nn.Module, state: Mapping[str, object]) -> dict[str, str]
     return tied
 
 
-def plan_export(module: nn.Module, *, caller: str) -> tuple[list[ExportEntry], dict[str, str]]:
+def plan_export(
+    module: nn.Module,
+    state: Mapping[str, object] | None = None,
+    *,
+    caller: str,
+) -> tuple[list[ExportEntry], dict[str, str]]:
     """Return the tensors an export of ``module`` writes, and the tied names it drops.
 
-    ``module`` is unwrapped (DDP's ``module.`` prefix is never written). Sharded
-    (DTensor) entries report their full shape.
+    ``module`` is unwrapped (DDP's ``module.`` prefix is never written); ``state``
+    is its ``state_dict()`` when the caller has it already. Sharded (DTensor)
+    entries report their full shape.
 
     Raises:
         TypeError: a state-dict value that is not a tensor (safetensors holds
             tensors only).
     """
-    state = module.state_dict()
+    if state is None:
+        state = module.state_dict()
     tied = tied_names(module, state)
     entries: list[ExportEntry] = []
     for name, value in state.items():
