@@ -313,12 +313,12 @@ def _train_on_meshes(
         _train(ctx, model, GLOBAL_BATCH // mesh.dp_size, mesh)
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         assert isinstance(inner, TpMLP)
-        up, down = (_local(inner.up.weight), _local(inner.down.weight))
+        local_up, local_down = _local(inner.up.weight), _local(inner.down.weight)
         out.append(
             {
                 "type": type(model).__name__,
-                "local_up": tuple(up.shape),
-                "local_down": tuple(down.shape),
+                "local_up": tuple(local_up.shape),
+                "local_down": tuple(local_down.shape),
                 "params": {k: _full(v).detach() for k, v in model.state_dict().items()},
             }
         )

@@ -119,6 +119,74 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+class _TiedTp(nn.Module):
+    """A tensor-parallel body between an embedding and an output layer sharing its
+    weight, and a buffer: the export holds ``embed.weight`` once."""
+
+    scale: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4, dtype=torch.float64)
+        self.body = TpMLP().double()
+        self.head = nn.Linear(3, 5, bias=False, dtype=torch.float64)
+        self.unembed = nn.Linear(4, 5, bias=False, dtype=torch.float64)
+        self.unembed.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((5,), 2.0, dtype=torch.float64))
+
+    def reset_parameters(self) -> None:  # the root's own tensor: the buffer
+        nn.init.constant_(self.scale, 2.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        out: torch.Tensor = (
+            self.head(self.body(hidden)) + self.unembed(hidden)
+        ) * self.scale
+        return out
+
+
+TOKENS = torch.tensor([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]])
+
+
+def _tied(
+    ctx: DistributedContext, shape: tuple[int, int, int, bool], seed: int, meta: bool
+) -> nn.Module:
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        net = _TiedTp()
+    r, s, t, use_fsdp = shape
+    plan = {"body.up": ColwiseParallel(), "body.down": RowwiseParallel()}
+    return wrap_model(
+        ctx,
+        net,
+        fsdp=FSDPOptions() if use_fsdp else None,
+        mesh=build_mesh(ctx, dp_replicate=r, dp_shard=s, tp=t),
+        tp_plan=plan if t > 1 else None,
+        init_fn=_no_init if meta else None,
+    )
+
+
+def _tied_round_trip(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
+    """Export a tied model from FSDP x TP; load it into each 2x2 layout on meta."""
+    model = _tied(ctx, SAVED_ON["fsdp_x_tp"], 0, meta=False)
+    save_model(ctx, model, tmp / "export_tied")
+    with torch.no_grad():
+        out: dict[str, Any] = {"out": model(TOKENS)}
+    for name, shape in SAVED_ON.items():
+        loaded = _tied(ctx, shape, 1, meta=True)
+        names = load_model(ctx, loaded, tmp / "export_tied")
+        inner = unwrap_model(loaded)
+        assert isinstance(inner, _TiedTp)
+        with torch.no_grad():
+            out[name] = {
+                "names": names,
+                "full": _full_params(loaded),
+                "tied": inner.unembed.weight is inner.embed.weight,
+                "out": loaded(TOKENS),
+            }
+    return out
+
+
 def _local_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's own part of each tensor (the whole one where it is not sharded)."""
     return {
@@ -207,6 +275,7 @@ def _on_4_ranks(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
         for other, other_shape in SAVED_ON.items():
             out[f"{name}=>{other}"] = _loaded(ctx, other_shape, export)
         out[f"{name}=>meta_{name}"] = _loaded(ctx, shape, export, meta=True)
+    out["tied"] = _tied_round_trip(ctx, tmp)
     return out
 
 
@@ -392,3 +461,24 @@ def test_an_export_loads_into_every_mesh_layout_meta_and_one_process(
         _check_loaded(
             {"before": before, "names": tuple(saved), **_seen(alone)}, saved, source
         )
+
+
+@pytest.mark.distributed
+def test_a_tied_weight_and_a_buffer_load_into_meta_models_on_every_2x2_layout(
+    runs: Runs,
+) -> None:
+    saved = load_file(runs.tmp / "export_tied" / "model.safetensors")
+    assert "unembed.weight" not in saved and "embed.weight" in saved
+    assert torch.equal(saved["scale"], torch.full((5,), 2.0, dtype=torch.float64))
+    for rank in runs.four:
+        tied = rank["tied"]
+        for name in SAVED_ON:
+            loaded = tied[name]
+            assert sorted(loaded["names"]) == sorted(saved)
+            assert loaded["tied"]
+            _equal(
+                {k: v for k, v in loaded["full"].items() if k != "unembed.weight"},
+                saved,
+            )
+            assert torch.equal(loaded["full"]["unembed.weight"], saved["embed.weight"])
+            assert torch.allclose(loaded["out"], tied["out"], rtol=0, atol=1e-12)
