@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.nn.parallel import DistributedDataParallel
@@ -278,15 +279,28 @@ def _reference() -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _train_on_meshes(
-    ctx: DistributedContext, shapes: list[tuple[int, int, int, bool]]
+    ctx: DistributedContext,
+    shapes: list[tuple[int, int, int, bool]],
+    *,
+    dtensor_between: bool = False,
 ) -> list[dict[str, Any]]:
+    """``dtensor_between``: ``up`` hands ``down`` a DTensor, as uneven shards need."""
     out = []
-    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    up = (
+        ColwiseParallel(use_local_output=False)
+        if dtensor_between
+        else ColwiseParallel()
+    )
+    plan = {"up": up, "down": RowwiseParallel()}
     for r, s, t, use_fsdp in shapes:
         mesh = build_mesh(ctx, dp_replicate=r, dp_shard=s, tp=t)
         model = wrap_model(
@@ -299,12 +313,12 @@ def _train_on_meshes(
         _train(ctx, model, GLOBAL_BATCH // mesh.dp_size, mesh)
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         assert isinstance(inner, TpMLP)
-        weight = inner.up.weight
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        local_up, local_down = _local(inner.up.weight), _local(inner.down.weight)
         out.append(
             {
                 "type": type(model).__name__,
-                "local_up": tuple(local.shape),
+                "local_up": tuple(local_up.shape),
+                "local_down": tuple(local_down.shape),
                 "params": {k: _full(v).detach() for k, v in model.state_dict().items()},
             }
         )
@@ -314,11 +328,13 @@ def _train_on_meshes(
 def _check_against_reference(
     results: list[list[dict[str, Any]]],
     expected_types: list[str],
-    local_up: list[tuple[int, int]],
+    local_up: list[list[tuple[int, int]]],
 ) -> None:
+    """``local_up[rank]``: that rank's local ``up.weight`` shape on each mesh."""
     reference = _reference()
-    for per_rank in results:
-        for got, kind, shape in zip(per_rank, expected_types, local_up, strict=True):
+    assert len(local_up) == len(results)
+    for per_rank, shapes in zip(results, local_up, strict=True):
+        for got, kind, shape in zip(per_rank, expected_types, shapes, strict=True):
             assert kind in got["type"]
             assert got["local_up"] == shape
             names = {k.removeprefix("module.") for k in got["params"]}
@@ -349,14 +365,28 @@ def test_hsdp_fsdp_x_tp_ddp_x_tp_on_4_ranks_match_one_process(tmp_path: Path) ->
     _check_against_reference(
         results,
         ["FSDP", "FSDP", "FSDP", "DistributedDataParallel"],
-        [(4, 4), (2, 4), (4, 4), (8, 4)],
+        [[(4, 4), (2, 4), (4, 4), (8, 4)]] * 4,
     )
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_only_on_2_ranks_matches_one_process(tmp_path: Path) -> None:
-    results = run_ranks(_train_on_meshes, 2, tmp_path, [(1, 1, 2, False)])
-    _check_against_reference(results, ["MLP"], [(4, 4)])
+@pytest.mark.parametrize(
+    ("world", "rows", "dtensor_between"), [(2, [4, 4], False), (3, [3, 3, 2], True)]
+)
+def test_tensor_parallel_only_on_2_and_3_ranks_matches_one_process(
+    tmp_path: Path, world: int, rows: list[int], dtensor_between: bool
+) -> None:
+    # On 3 ranks the width 8 does not divide: torch shards it unevenly, up's rows
+    # (ColwiseParallel) and down's columns (RowwiseParallel) as 3, 3 and 2.
+    results = run_ranks(
+        _train_on_meshes,
+        world,
+        tmp_path,
+        [(1, 1, world, False)],
+        dtensor_between=dtensor_between,
+    )
+    _check_against_reference(results, ["MLP"], [[(n, 4)] for n in rows])
+    assert [r[0]["local_down"] for r in results] == [(3, n) for n in rows]
 
 
 def _tp_optimizer_built_first(ctx: DistributedContext) -> dict[str, Any]:
@@ -443,3 +473,40 @@ def test_wrap_model_refuses_what_a_mesh_cannot_build() -> None:
         wrap_model(ctx, _mlp(), mesh=tp, tp_plan=plan)
     net = _mlp()
     assert wrap_model(rank_ctx(1, 0), net, mesh=build_mesh(rank_ctx(1, 0))) is net
+
+
+def test_wrap_model_refuses_uneven_rowwise_inputs_that_arrive_as_local_tensors() -> (
+    None
+):
+    # tp=3 does not divide down's 8 inputs: from a local tensor torch would size
+    # them 9, 9 and 6; a ColwiseParallel handing on DTensors makes it work.
+    tp3 = ParallelMesh.for_rank(0, tp=3)
+    ctx = rank_ctx(3, 0)
+    with pytest.raises(
+        ValueError,
+        match=r"wrap_model: tp_plan\['down'\] is RowwiseParallel on an nn.Linear "
+        r"with in_features=8, which tp=3 does not divide \(its ranks hold \[3, 3, 2\]\)"
+        r".*ColwiseParallel\(use_local_output=False\)",
+    ):
+        wrap_model(
+            ctx,
+            _mlp(),
+            mesh=tp3,
+            tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()},
+        )
+    # Accepted (refused only later, for the hand-built mesh's missing DeviceMesh):
+    # a DTensor input, an input given as replicated, or sizes that tp divides.
+    for plan in (
+        {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()},
+        {"down": RowwiseParallel(input_layouts=Replicate())},
+        {"up": ColwiseParallel()},
+    ):
+        with pytest.raises(RuntimeError, match=r"has no DeviceMesh"):
+            wrap_model(ctx, _mlp(), mesh=tp3, tp_plan=plan)
+    with pytest.raises(RuntimeError, match=r"has no DeviceMesh"):
+        wrap_model(
+            rank_ctx(2, 0),
+            _mlp(),
+            mesh=ParallelMesh.for_rank(0, tp=2),
+            tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()},
+        )

@@ -71,6 +71,58 @@ def _check_plan(mesh: ParallelMesh, tp_plan: object, model: nn.Module) -> None:
                 f"model; its submodules are {summary(names[1:])}."
             )
             raise ValueError(msg)
+    _check_uneven_rows(mesh.tp, tp_plan, model)
+
+
+def _shard_sizes(size: int, parts: int) -> list[int]:
+    """The sizes of torch's ``Shard`` pieces of ``size`` over ``parts`` ranks.
+
+    >>> _shard_sizes(8, 3), _shard_sizes(8, 2), _shard_sizes(4, 3)
+    ([3, 3, 2], [4, 4], [2, 2, 0])
+    """
+    chunk = -(-size // parts)
+    return [max(0, min(chunk, size - i * chunk)) for i in range(parts)]
+
+
+def _check_uneven_rows(tp: int, tp_plan: Mapping[str, Any], model: nn.Module) -> None:
+    """Refuse a ``RowwiseParallel`` ``nn.Linear`` whose local input torch cannot size.
+
+    Its input is sharded on the last dimension; a plain (local) tensor is made a
+    ``DTensor`` with ``DTensor.from_local``, which takes the global size to be the
+    local size times ``tp``. When ``tp`` does not divide ``in_features`` that is
+    wrong on every rank and the forward fails, unless the input arrives as a
+    ``DTensor`` already: a ``ColwiseParallel(use_local_output=False)`` in the plan
+    hands one on. With tp=3 and ``down = nn.Linear(8, 3)`` the ranks hold 3, 3
+    and 2 of the 8 inputs, and torch would read them as 9, 9 and 6.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    if any(
+        isinstance(style, ColwiseParallel) and not style.use_local_output
+        for style in tp_plan.values()
+    ):
+        return
+    modules = dict(model.named_modules())
+    for name, style in tp_plan.items():
+        module = modules.get(name)
+        if not (
+            isinstance(style, RowwiseParallel)
+            and isinstance(module, nn.Linear)
+            and isinstance(style.input_layouts[0], Shard)
+            and module.in_features % tp
+        ):
+            continue
+        msg = (
+            f"{_WHERE}: tp_plan[{name!r}] is RowwiseParallel on an nn.Linear with "
+            f"in_features={module.in_features}, which tp={tp} does not divide (its "
+            f"ranks hold {_shard_sizes(module.in_features, tp)}); torch sizes a local "
+            f"input as {tp} equal shards, so the forward would fail. Hand it a "
+            "DTensor: give the layer that feeds it ColwiseParallel(use_local_output"
+            "=False); or choose sizes that tp divides."
+        )
+        raise ValueError(msg)
 
 
 def check_mesh_wrapping(

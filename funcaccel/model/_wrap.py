@@ -214,8 +214,10 @@ def wrap_model(
             ``ddp_kwargs``; a bfloat16 hook or wrapper on a device whose backend
             cannot all-reduce bfloat16 (CPU/gloo); FSDP options that do not fit
             ``ctx``; a mesh of another rank or world; ``tp_plan`` without
-            ``mesh.tp > 1`` (or missing with it), or naming no submodule;
-            ``dp_shard > 1`` without ``fsdp``; ``fsdp`` on a mesh with one
+            ``mesh.tp > 1`` (or missing with it), or naming no submodule, or
+            a ``RowwiseParallel`` ``nn.Linear`` whose ``in_features`` ``tp``
+            does not divide with no ``ColwiseParallel(use_local_output=False)``
+            to hand it a ``DTensor``; ``dp_shard > 1`` without ``fsdp``; ``fsdp`` on a mesh with one
             data-parallel rank; ``ddp_kwargs`` with ``tp > 1``; a meta model
             without ``init_fn`` whose module holding meta tensors has no
             ``reset_parameters``.
