@@ -21,7 +21,7 @@ from funcaccel.model._fsdp_gloo import install_gloo_reduce_scatter
 from tests._dist import run_ranks
 
 
-def _net() -> nn.Module:
+def _net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
 

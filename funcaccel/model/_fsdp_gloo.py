@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from typing import Any
 
 import torch
@@ -44,9 +43,6 @@ import torch.distributed as dist
 from torch import nn
 
 from funcaccel._dist_types import is_fsdp_module
-
-if TYPE_CHECKING:
-    from torch.distributed.distributed_c10d import ReduceOp
 
 __all__ = ["gloo_reduce_scatter_class", "install_gloo_reduce_scatter"]
 
@@ -64,15 +60,17 @@ def gloo_reduce_scatter_class() -> type[Any] | None:
     except ImportError:  # pragma: no cover - torch without custom comms
         return None
 
-    class GlooReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
+    class GlooReduceScatter(DefaultReduceScatter):
         """FSDP2's reduce-scatter, done in place and released at once on gloo (CPU)."""
 
-        def __call__(
+        # FSDP2's interface (``ReduceScatter``) returns ``Work | None``, which
+        # torch's default narrows to ``Work``; FSDP2 ignores the value.
+        def __call__(  # type: ignore[override]
             self,
             output_tensor: torch.Tensor,
             input_tensor: torch.Tensor,
             group: dist.ProcessGroup,
-            op: ReduceOp,
+            op: dist.ReduceOp | dist.ReduceOp.RedOpType,
             async_op: bool = False,
         ) -> dist.Work | None:
             if (
