@@ -23,6 +23,7 @@ from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._dist_types import is_instance_if_loaded
 from funcaccel.context import DistributedContext
+from funcaccel.model._fsdp_gloo import install_gloo_reduce_scatter
 
 if TYPE_CHECKING:
     # Imported for real only when sharding: the package takes seconds to import.
@@ -157,7 +158,8 @@ def shard_model(
     reverse pre-order, so a nested match is sharded before its parent.
     ``fully_shard`` replaces every parameter with a new sharded (``DTensor``)
     one; each of ``optimizers`` is then pointed, in place, at the new parameters
-    (see ``rebind_optimizers_``).
+    (see ``rebind_optimizers_``). On CPU with gloo, every unit reduce-scatters its
+    gradients in place and frees the buffer at once (see ``_fsdp_gloo``).
 
     Returns:
         ``model`` itself, now an ``FSDPModule``.
@@ -190,6 +192,7 @@ def shard_model(
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=policy,
     )
+    install_gloo_reduce_scatter(model, ctx.device, mesh.get_all_groups())
     rebind_by_name_(optimizers, before, model)
     return model
 
