@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -366,15 +367,29 @@ def _ddp_async(ctx: DistributedContext, root: Path, fsdp: bool) -> dict[str, obj
     torch.manual_seed(ctx.process_index)
     _train(model, opt)
     staged = _full(model)
+    # DCP's writing of the sharded part is held until this rank has trained on:
+    # it must run off the training thread (a synchronous write would time out).
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    trained, writers = threading.Event(), []
+    write_data = FileSystemWriter.write_data
+
+    def held(self: FileSystemWriter, *args: Any) -> Any:
+        writers.append((threading.current_thread().name, trained.wait(timeout=30)))
+        return write_data(self, *args)
+
+    FileSystemWriter.write_data = held  # type: ignore[method-assign, assignment]
     pending = save_checkpoint(ctx, root, models=model, optimizers=opt, asynchronous=True)
     _train(model, opt, steps=2)  # every rank trains on before waiting
+    trained.set()
     path = pending.wait()
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     torch.manual_seed(7)
     fresh_net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
     fresh = wrap_model(ctx, fresh_net, fsdp=FSDPOptions()) if fsdp else wrap_model(ctx, fresh_net)
     load_checkpoint(ctx, path, models=fresh, optimizers=torch.optim.SGD(fresh.parameters(), lr=0.1))
     loaded = _full(fresh)
-    return {"path": path, "staged": staged, "loaded": loaded}
+    return {"path": path, "staged": staged, "loaded": loaded, "writers": writers}
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -392,6 +407,11 @@ def test_two_ranks_save_asynchronously_and_wait_on_each(tmp_path: Path, fsdp: bo
     for result in results:
         assert result["path"] == root / "checkpoint-000001"
         assert _same(result["loaded"], result["staged"])  # type: ignore[arg-type]
+        writers = result["writers"]
+        if fsdp:  # DCP wrote in its thread, released only after the training steps
+            assert len(writers) == 1 and writers[0][0] != "MainThread" and writers[0][1], writers  # type: ignore[arg-type, index]
+        else:
+            assert writers == []  # no DCP for DDP
     meta = read_checkpoint_meta(root / "checkpoint-000001", verify=True)
     assert {"rng_rank_0.pt", "rng_rank_1.pt"} <= set(meta.files)
     assert meta.state_format == ("dcp" if fsdp else "torch")

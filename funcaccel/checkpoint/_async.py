@@ -258,6 +258,7 @@ class PendingCheckpoint:
         buffers: tuple[torch.UntypedStorage, ...] = (),
         deferred: DeferredCopy | None = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        sharded_done: Callable[[], str | None] | None = None,
     ) -> None:
         self.path = path
         self._buffers = buffers  # the staged copy's memory, for the next save
@@ -269,6 +270,7 @@ class PendingCheckpoint:
         self._cause: BaseException | None = None
         self._outcome: Path | BaseException | None = None
         self._staged = threading.Event()
+        self._sharded_done = sharded_done  # DCP's own background save, if any
         where = path.parent / ("." + path.name + ".tmp")
 
         def run() -> None:
@@ -307,7 +309,11 @@ class PendingCheckpoint:
         self._staged.wait()
 
     def done(self) -> bool:
-        """Return whether the background writing has finished (no waiting, not collective)."""
+        """Return whether this rank's own background writing has finished (no waiting, not collective).
+
+        The sharded (``dcp/``) part of an FSDP2 or mesh model is written by DCP's
+        thread, which ``wait()`` joins.
+        """
         return not self._thread.is_alive()
 
     def wait_staged(self) -> None:
@@ -339,6 +345,10 @@ class PendingCheckpoint:
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            if self._sharded_done is not None:
+                sharded_error = self._sharded_done()
+                self._sharded_done = None
+                self._error = self._error or sharded_error
             try:
                 if self._ctx.is_main_process:
                     self._marker.unlink(missing_ok=True)

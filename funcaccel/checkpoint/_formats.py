@@ -27,10 +27,12 @@ import contextlib
 import dataclasses
 import io
 import warnings
+from collections.abc import Callable
 from collections.abc import Collection
 from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 from typing import Literal
@@ -264,6 +266,55 @@ def save_sharded(
     writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
     with _single_process_warning_ignored():
         dcp_save(state, storage_writer=writer, no_dist=ctx.num_processes == 1)
+
+
+def save_sharded_async(
+    ctx: DistributedContext,
+    directory: Path,
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    caller: str,
+) -> Callable[[], str | None]:
+    """Start writing the sharded state to ``directory`` with DCP's ``async_save``.
+
+    Collective, with several processes (one, or a DeepSpeed-free world of one,
+    writes synchronously: ``save_sharded``). DCP copies this rank's shards into
+    CPU memory before this returns; its planning, writing and metadata then run
+    in a background thread, whose collectives go through a gloo group made for
+    this save alone (never interleaved with the training loop's on the default
+    group). Returns the completion: it waits for that thread, frees the group
+    and returns an error message, or ``None`` when the files are written.
+    """
+    if ctx.num_processes == 1:
+        save_sharded(ctx, directory, models, optimizers, caller=caller)
+        return lambda: None
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    pairs = pair_optimizers(models, optimizers, caller=caller)
+    state = _dcp_state(models, optimizers, pairs)
+    writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
+    group = dist.new_group(backend="gloo")
+    try:
+        response = async_save(state, storage_writer=writer, process_group=group)
+    except BaseException:
+        dist.destroy_process_group(group)
+        raise
+    # A Future, or (with a staging executor, not used here) a pair of them.
+    future = response if isinstance(response, Future) else response.upload_completion
+
+    def complete() -> str | None:
+        try:
+            future.result()
+        except Exception as failure:
+            return f"writing the sharded state into {directory} failed in the background: {type(failure).__name__}: {summary(str(failure), 300)}"
+        finally:
+            dist.destroy_process_group(group)
+        return None
+
+    return complete
 
 
 def load_sharded(

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
@@ -309,7 +310,12 @@ def save_checkpoint(
     name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
     _raise_failures([error], _FAILED, caller)
     temporary = _layout.temporary_dir(root, name)
-    if state_format == "dcp":
+    sharded_done: Callable[[], str | None] | None = None
+    if state_format == "dcp" and asynchronous:
+        sharded_done = _formats.save_sharded_async(
+            ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
+        )
+    elif state_format == "dcp":
         _formats.save_sharded(
             ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
         )
@@ -367,6 +373,7 @@ def save_checkpoint(
         buffers=buffers,
         deferred=deferred,
         optimizers=objs.optimizers,
+        sharded_done=sharded_done,
     )
 
 
