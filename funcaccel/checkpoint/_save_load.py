@@ -236,8 +236,9 @@ def save_checkpoint(
     next ``save_checkpoint`` into ``directory``), completes the checkpoint and
     raises any failure of the background writing. ``latest`` moves only then, so
     a process killed before leaves the previous checkpoint current. With FSDP2
-    models the sharded ``dcp/`` part is written before it returns (DCP's
-    collectives must run on the training thread); only the rest is deferred.
+    or mesh models on several processes the sharded ``dcp/`` part goes through
+    DCP's ``async_save`` (shards copied to CPU before the return; planning and
+    writing in DCP's thread, over a gloo group made for this save).
 
     Args:
         ctx: the distributed context.
