@@ -26,6 +26,9 @@ the workers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (a fixed threshold: every
 block over 128 KiB is mapped and returned on free), which applies to every variant
 alike; ``--glibc-default`` keeps glibc's dynamic threshold to show the difference.
 
+With ``--cuda`` rank r runs on ``cuda:r`` with NCCL and also reports
+``torch.cuda.max_memory_allocated`` (the GPU figure; the RSS columns stay).
+
     PYTHONPATH=. python benchmarks/bench_mesh_memory.py
 """
 
@@ -84,9 +87,10 @@ def _model(
         with torch.device("meta"):
             net = _build(args)
     else:
-        net = _build(args)
+        net = _build(args).to(ctx.device)
     if variant in (REFERENCE, NOISE):
-        return DistributedDataParallel(net)
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(net, device_ids=ids)
     layout = variant.removesuffix("_meta")
     if layout == "ddp":
         return wrap_model(ctx, net)
@@ -101,11 +105,14 @@ def _run(
     ctx: DistributedContext, variant: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     model = _model(ctx, variant, args)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + ctx.process_index)
-    x = torch.randn(args.batch_size, args.hidden // 2, generator=gen)
-    y = torch.randn(args.batch_size, args.hidden // 2, generator=gen)
+    x = torch.randn(args.batch_size, args.hidden // 2, generator=gen).to(ctx.device)
+    y = torch.randn(args.batch_size, args.hidden // 2, generator=gen).to(ctx.device)
     loss = torch.zeros(())
     for _ in range(args.steps):
         opt.zero_grad(set_to_none=False)
@@ -129,6 +136,8 @@ def _run(
     return {
         "before": before,
         "peak": peak,
+        # On a GPU: the most memory the caching allocator handed out at once.
+        "cuda_peak": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
         "state": state,
         "loss": total.item() / ctx.num_processes,
     }
@@ -141,7 +150,8 @@ def worker(
     torch.set_num_threads(1)
     env = {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
     init = InitProcessGroupKwargs(init_method=f"file://{tmp}/rendezvous")
-    ctx = build_context(cpu=True, init_kwargs=init, environ=env)
+    # --cuda: rank r on cuda:r with NCCL (build_context's choice for a GPU).
+    ctx = build_context(cpu=not args.cuda, init_kwargs=init, environ=env)
     try:
         result = _run(ctx, variant, args)
     finally:
@@ -177,21 +187,27 @@ def _spawn(world: int, variant: str, args: argparse.Namespace) -> list[dict[str,
 
 def _table(world: int, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     reference = max(r["peak"] for r in runs[REFERENCE])
+    cuda = runs[REFERENCE][0]["cuda_peak"] is not None
+    gpu_head, gpu_rule = (" GPU peak MiB (max rank) | GPU peak / plain DDP |", "---|---|") if cuda else ("", "")
     lines = [
         f"{world} processes",
         "",
         "| variant | peak RSS MiB (max rank) | RSS before the model MiB | peak - before MiB "
-        "| params MiB | grads MiB | Adam MiB | peak / plain DDP | loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| params MiB | grads MiB | Adam MiB | peak / plain DDP |{gpu_head} loss |",
+        f"|---|---|---|---|---|---|---|---|{gpu_rule}---|",
     ]
     for name, ranks in runs.items():
         worst = max(ranks, key=lambda r: r["peak"])
         state = worst["state"]
+        gpu = ""
+        if cuda:
+            top = max(r["cuda_peak"] for r in ranks)
+            gpu = f" {top / MiB:.1f} | {top / max(r['cuda_peak'] for r in runs[REFERENCE]):.3f}× |"
         lines.append(
             f"| {name} | {worst['peak'] / MiB:.1f} | {worst['before'] / MiB:.1f} | "
             f"{(worst['peak'] - worst['before']) / MiB:.1f} | "
             f"{state['parameters'] / MiB:.1f} | {state['gradients'] / MiB:.1f} | "
-            f"{state['adam'] / MiB:.1f} | {worst['peak'] / reference:.3f}× | "
+            f"{state['adam'] / MiB:.1f} | {worst['peak'] / reference:.3f}× |{gpu} "
             f"{ranks[0]['loss']:.6f} |"
         )
     return lines
@@ -210,6 +226,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument(
+        "--cuda",
+        action="store_true",
+        help="rank r on cuda:r with NCCL; adds torch.cuda.max_memory_allocated per rank",
+    )
+    parser.add_argument(
         "--glibc-default",
         action="store_true",
         help="keep glibc's dynamic mmap threshold (freed gather buffers stay in RSS)",
@@ -223,10 +244,13 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if args.cuda and torch.cuda.device_count() < max(worlds):
+        parser.error(f"--cuda needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
     numel = sum(p.numel() for p in _build(args).parameters())
     print(
         f"MLP of {numel / 1e6:.1f}M float32 parameters ({numel * 4 / MiB:.0f} MiB), "
-        f"Adam, {args.steps} steps of batch {args.batch_size}, gloo, 1 thread per rank, "
+        f"Adam, {args.steps} steps of batch {args.batch_size}, "
+        f"{'NCCL on GPUs' if args.cuda else 'gloo'}, 1 thread per rank, "
         f"malloc: {'glibc default' if args.glibc_default else 'MALLOC_MMAP_THRESHOLD_=131072'}"
     )
     for world in worlds:
