@@ -253,49 +253,34 @@ def save_sharded(
     optimizers: Sequence[torch.optim.Optimizer],
     *,
     caller: str,
-) -> None:
+    asynchronous: bool = False,
+) -> Callable[[], str | None]:
     """Write the models' and optimizers' (sharded) state to ``directory`` with DCP.
 
-    Collective: every rank calls it with its own shards.
+    Collective: every rank calls it with its own shards. Returns the completion,
+    which waits for the files and returns an error message, or ``None`` when
+    they are written. Synchronously (and always with one process) the files are
+    written before this returns. With ``asynchronous`` and several processes it
+    uses DCP's ``async_save``: DCP copies this rank's shards into CPU memory
+    before this returns; its planning, writing and metadata then run in DCP's
+    background thread, whose collectives go through a gloo group made for this
+    save alone (never interleaved with the training loop's on the default
+    group), freed by the completion.
     """
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     pairs = pair_optimizers(models, optimizers, caller=caller)
     state = _dcp_state(models, optimizers, pairs)
     writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
-    with _single_process_warning_ignored():
-        dcp_save(state, storage_writer=writer, no_dist=ctx.num_processes == 1)
+    if not asynchronous or ctx.num_processes == 1:
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-
-def save_sharded_async(
-    ctx: DistributedContext,
-    directory: Path,
-    models: Sequence[nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-    *,
-    caller: str,
-) -> Callable[[], str | None]:
-    """Start writing the sharded state to ``directory`` with DCP's ``async_save``.
-
-    Collective, with several processes (one, or a DeepSpeed-free world of one,
-    writes synchronously: ``save_sharded``). DCP copies this rank's shards into
-    CPU memory before this returns; its planning, writing and metadata then run
-    in a background thread, whose collectives go through a gloo group made for
-    this save alone (never interleaved with the training loop's on the default
-    group). Returns the completion: it waits for that thread, frees the group
-    and returns an error message, or ``None`` when the files are written.
-    """
-    if ctx.num_processes == 1:
-        save_sharded(ctx, directory, models, optimizers, caller=caller)
+        with _single_process_warning_ignored():
+            dcp_save(state, storage_writer=writer, no_dist=ctx.num_processes == 1)
         return lambda: None
     import torch.distributed as dist
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    pairs = pair_optimizers(models, optimizers, caller=caller)
-    state = _dcp_state(models, optimizers, pairs)
-    writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
     group = dist.new_group(backend="gloo")
     try:
         response = async_save(state, storage_writer=writer, process_group=group)

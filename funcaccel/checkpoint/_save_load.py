@@ -312,13 +312,14 @@ def save_checkpoint(
     _raise_failures([error], _FAILED, caller)
     temporary = _layout.temporary_dir(root, name)
     sharded_done: Callable[[], str | None] | None = None
-    if state_format == "dcp" and asynchronous:
-        sharded_done = _formats.save_sharded_async(
-            ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
-        )
-    elif state_format == "dcp":
-        _formats.save_sharded(
-            ctx, temporary / "dcp", objs.models, objs.optimizers, caller=caller
+    if state_format == "dcp":
+        sharded_done = _formats.save_sharded(
+            ctx,
+            temporary / "dcp",
+            objs.models,
+            objs.optimizers,
+            caller=caller,
+            asynchronous=asynchronous,
         )
     elif state_format == "deepspeed":
         save_engine(objs.models[0], temporary / ENGINE_DIR)
