@@ -7,7 +7,8 @@ files. The CPU tensors that only the saved optimizers' steps change
 (``optimizer_storages``) are copied by that thread first (``DeferredCopy``), while
 the loop's next forward and backward run; a step pre-hook on each saved
 optimizer waits for that copy, and each such tensor's version counter, compared
-after its copy, turns an in-place change made meanwhile into a failed save. ``PendingCheckpoint.wait()`` joins the thread; then the ranks agree that all
+after its copy, turns an in-place change made meanwhile into a failed save.
+``PendingCheckpoint.wait()`` joins the thread; then the ranks agree that all
 of them wrote, and rank 0 writes the manifest, renames the directory into place
 and moves ``latest``, exactly as a synchronous save ends. The thread never
 communicates, so it cannot interleave with the training loop's collectives.
