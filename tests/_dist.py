@@ -24,6 +24,7 @@ from typing import ParamSpec
 from typing import TypeVar
 
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.multiprocessing.spawn import start_processes
 
 from funcaccel.context import DistributedContext
@@ -59,6 +60,15 @@ def _result_path(tmp_path: Path, rank: int) -> Path:
     return tmp_path / f"rank_{rank}.result.pkl"
 
 
+def _started_path(tmp_path: Path, rank: int) -> Path:
+    return tmp_path / f"rank_{rank}.started"
+
+
+# gloo's TCP mesh set-up can fail when the machine is overloaded (seen with several
+# test runs at once on 2 cores); nothing of the test has run yet then.
+_GLOO_SETUP_FAILURE: Final = "Gloo connectFullMesh failed"
+
+
 def _ranked_worker(
     rank: int,
     fn: Callable[..., object],
@@ -73,6 +83,7 @@ def _ranked_worker(
         rank=rank,
         world_size=world_size,
     )
+    _started_path(tmp_path, rank).touch()
     try:
         ctx = DistributedContext(
             num_processes=world_size,
@@ -106,6 +117,31 @@ def _collect(tmp_path: Path, world_size: int) -> list[Any]:
     ]
 
 
+def spawn_once_more_on_gloo_setup_failure(
+    worker: Callable[..., None],
+    head: tuple[object, ...],
+    tail: tuple[object, ...],
+    world_size: int,
+    tmp_path: Path,
+) -> Path:
+    """Run ``worker(rank, *head, tmp_path, *tail)``; return the ``tmp_path`` it used.
+
+    If gloo's set-up of the group failed on every rank that reported (no rank
+    wrote its ``started`` marker, so the test's function never ran), the workers
+    run once more through a fresh rendezvous in a subdirectory.
+    """
+    try:
+        _spawn(worker, (*head, tmp_path, *tail), world_size)
+    except ProcessRaisedException as failure:
+        started = any(_started_path(tmp_path, r).exists() for r in range(world_size))
+        if started or _GLOO_SETUP_FAILURE not in str(failure):
+            raise
+        tmp_path = tmp_path / "after-gloo-setup-failure"
+        tmp_path.mkdir()
+        _spawn(worker, (*head, tmp_path, *tail), world_size)
+    return tmp_path
+
+
 def run_ranks(
     fn: Callable[Concatenate[DistributedContext, P], T],
     world_size: int,
@@ -124,7 +160,9 @@ def run_ranks(
         The workers' return values, indexed by rank.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
-    _spawn(_ranked_worker, (fn, world_size, tmp_path, args, kwargs), world_size)
+    tmp_path = spawn_once_more_on_gloo_setup_failure(
+        _ranked_worker, (fn, world_size), (args, kwargs), world_size, tmp_path
+    )
     results: list[T] = _collect(tmp_path, world_size)
     return results
 
