@@ -78,6 +78,16 @@ def _no_leaked_process_group() -> Iterator[None]:
         pytest.fail("the test left the default process group initialised")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the collection order below when pytest-xdist hands out whole files.
+
+    With ``--dist loadfile`` xdist by default sorts the files by how many tests
+    they hold, most first, which put the one-test, two-minute typing file last.
+    """
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the files holding slow tests first, the mypy-over-torch one first of all.
 
@@ -85,12 +95,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     one worker, in collection order; a slow file collected last would leave the
     other worker idle at the end. tests/test_typing_install.py (mypy --strict over
     a script importing torch, about two minutes of one core) is the longest.
-    The order is otherwise kept.
+    Then come the other files that start processes (``distributed``), so that
+    the quick single-process files fill the end. The order is otherwise kept.
     """
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    spawning = {item.path for item in items if item.get_closest_marker("distributed")}
     items.sort(
         key=lambda item: (
             item.path.name != "test_typing_install.py",
             item.path not in slow_files,
+            item.path not in spawning,  # files starting processes, before quick ones
         )
     )
