@@ -98,7 +98,7 @@ def tensors_of(data: Any) -> list[torch.Tensor]:
     [
         lambda d: gather(ONE, d),
         lambda d: broadcast(ONE, d),
-        lambda d: pad_across_processes(ONE, d, dim=1),
+        lambda d: pad_across_processes(ONE, d),
         lambda d: gather_for_metrics(ONE, d, batch=Batch(is_last=True, remainder=1)),
     ],
     ids=["gather", "broadcast", "pad", "gather_for_metrics"],
@@ -231,8 +231,65 @@ def test_pad_across_processes_checks_its_options(
         pad_across_processes(ONE, data, **kwargs)
     # A fractional pad_index suits a floating leaf, and a leaf without dim 1.
     assert pad_across_processes(ONE, torch.ones(2), pad_index=0.5) is not None
-    ints = torch.ones(2, dtype=torch.int32)
-    assert pad_across_processes(ONE, ints, dim=1, pad_index=0.5) is ints
+    mixed = {"f": torch.ones(2, 2), "i": torch.ones(2, dtype=torch.int32)}
+    assert pad_across_processes(ONE, mixed, dim=1, pad_index=0.5) is mixed
+
+
+@pytest.mark.parametrize(
+    ("data", "dim", "shapes", "fix"),
+    [
+        (
+            torch.ones(2, 3),
+            5,
+            "(2, 3)",
+            "pass a dim below 2 (the most dims any leaf has)",
+        ),
+        (
+            torch.ones(2, 3),
+            2,
+            "(2, 3)",
+            "pass a dim below 2 (the most dims any leaf has)",
+        ),
+        (
+            {
+                "a": [torch.ones(4), torch.ones(4)],
+                "b": Pair(torch.ones(1, 2), torch.ones(3)),
+            },
+            2,
+            "(4,), (1, 2), (3,)",
+            "pass a dim below 2 (the most dims any leaf has)",
+        ),
+        (
+            [torch.ones(n, n) for n in range(1, 50)] + [torch.ones(1, 1, 1)],
+            3,
+            "(1, 1), (2, 2), (3, 3), ...",
+            "pass a dim below 3 (the most dims any leaf has)",
+        ),
+        (
+            {"loss": torch.tensor(0.5), "n": torch.tensor(3)},
+            0,
+            "()",
+            "0-d leaves have no dim to pad: reshape them to 1-d first (t.reshape(1))",
+        ),
+    ],
+    ids=["2d-dim5", "2d-dim2", "nested", "many-shapes", "0d"],
+)
+def test_pad_across_processes_refuses_a_dim_no_leaf_has(
+    data: Any, dim: int, shapes: str, fix: str
+) -> None:
+    before = copy.deepcopy(data)
+    with pytest.raises(ValueError) as caught:
+        pad_across_processes(ONE, data, dim=dim)
+    assert str(caught.value) == (
+        f"pad_across_processes: dim ({dim}) is not a dimension of any leaf; got "
+        f"leaf shapes {shapes}; {fix}."
+    )
+    assert_tree_equal(data, before)
+
+
+def test_pad_across_processes_passes_a_structure_without_leaves() -> None:
+    empty: dict[str, list[torch.Tensor]] = {"a": []}
+    assert pad_across_processes(ONE, empty, dim=3) is empty
 
 
 @pytest.mark.parametrize("obj", [{"a": 1}, "ab", 3, torch.ones(2)])
@@ -582,6 +639,20 @@ def _scenarios(ctx: DistributedContext, guard: float | None) -> dict[str, Any]:
         dim=1,
     )
     run("pad structure mismatch", pad_across_processes, [torch.ones(1)] * (rank + 1))
+    # No leaf on any rank has dim: every rank refuses, after the shape exchange.
+    run(
+        "pad no leaf has dim",
+        pad_across_processes,
+        {"a": torch.ones(2, 1 + rank), "b": torch.ones(3)},
+        dim=5,
+    )
+    run(
+        "pad no leaf has dim, ndims differ",
+        pad_across_processes,
+        torch.ones(2) if rank == 0 else torch.tensor(1.0),
+        dim=1,
+    )
+    out["pad after no dim"] = gather(ctx, torch.tensor([rank]))
     # Only the shorter ranks would pad: the longest must refuse as well.
     run(
         "pad fractional int",
@@ -897,8 +968,12 @@ def test_reduce_integers_and_errors(dist_results: Results) -> None:
     assert kind == "ValueError" and "rank 1: (2,) torch.float32" in msg
     # Accelerate's default and its "none" are the sum: 1 + 2 (+ 3) on every rank.
     summed = float(world * (world + 1) // 2)
-    assert_tree_equal(on_every_rank(dist_results, "reduce none"), torch.tensor([summed]))
-    assert_tree_equal(on_every_rank(dist_results, "reduce default"), torch.tensor([summed]))
+    assert_tree_equal(
+        on_every_rank(dist_results, "reduce none"), torch.tensor([summed])
+    )
+    assert_tree_equal(
+        on_every_rank(dist_results, "reduce default"), torch.tensor([summed])
+    )
     kind, msg = on_every_rank(dist_results, "reduce unknown")
     assert kind == "ValueError" and "got 'min'" in msg
 
@@ -945,6 +1020,30 @@ def test_pad_across_processes_other_dims_and_low_rank_leaves(
             expected_mixed = torch.zeros(2, widest)
             expected_mixed[:, : 2 + rank] = 1.0
             assert_tree_equal(mixed, expected_mixed)
+
+
+@pytest.mark.distributed
+def test_pad_across_processes_refuses_a_dim_no_leaf_has_on_every_rank(
+    dist_results: Results,
+) -> None:
+    world, _ = dist_results
+    kind, msg = on_every_rank(dist_results, "pad no leaf has dim")
+    shapes = "(2, 1), (2, 2), (3,)" if world == 2 else "(2, 1), (2, 2), (2, 3), ..."
+    assert (kind, msg) == (
+        "ValueError",
+        "pad_across_processes: dim (5) is not a dimension of any leaf; got leaf "
+        f"shapes {shapes}; pass a dim below 2 (the most dims any leaf has).",
+    )
+    kind, msg = on_every_rank(dist_results, "pad no leaf has dim, ndims differ")
+    assert (kind, msg) == (
+        "ValueError",
+        "pad_across_processes: dim (1) is not a dimension of any leaf; got leaf "
+        "shapes (2,), (); pass a dim below 1 (the most dims any leaf has).",
+    )
+    # Nothing was left half-sent: the next collective pairs up on every rank.
+    assert on_every_rank(dist_results, "pad after no dim").tolist() == list(
+        range(world)
+    )
 
 
 @pytest.mark.distributed

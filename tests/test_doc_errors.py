@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -317,6 +318,15 @@ def _finished(tmp_path: Path) -> None:
     tracker.log({"loss": 1.0})
 
 
+def _refused_file_store(tmp_path: Path) -> None:
+    variables = pytest.importorskip("mlflow.environment_variables")
+    if not hasattr(variables, "MLFLOW_ALLOW_FILE_STORE"):
+        pytest.skip("this MLflow opens a file store without an opt-out")
+    with mock.patch.dict(os.environ):
+        os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+        fa.MLflowTracker((tmp_path / "mlruns").as_uri()).log({"loss": 1.0})
+
+
 Trigger = Callable[[Path], object]
 TRIGGERS: Final[dict[str, Trigger]] = {
     # accumulate.md
@@ -459,6 +469,10 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "...": lambda _: fa.broadcast(ONE, torch.ones(1), from_process=1),
     "ValueError: pad_across_processes: dim must be >= 0; got -1. ...": lambda _: (
         fa.pad_across_processes(ONE, torch.ones(1), dim=-1)
+    ),
+    "ValueError: pad_across_processes: dim (5) is not a dimension of any leaf; got "
+    "leaf shapes (2, 3); pass a dim below 2 (the most dims any leaf has).": lambda _: (
+        fa.pad_across_processes(ONE, torch.ones(2, 3), dim=5)
     ),
     "TypeError: gather_object: obj must be a list or tuple on every rank; got rank "
     "0: str; wrap a single object as [obj].": lambda _: fa.gather_object(ONE, "a"),  # type: ignore[arg-type]
@@ -663,6 +677,10 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "ValueError: CSVTracker.log: metric 'acc' has no column of its own; the columns "
     "are ['step', 'time', 'loss']. ...": _csv_new_column,
     "ValueError: JSONLTracker.log: the tracker was finished; ...": _finished,
+    "ValueError: MLflowTracker.log: MLflow refused the tracking backend "
+    "'file:///.../mlruns' (a file store, which MLflow 3 opens only on request); set "
+    "MLFLOW_ALLOW_FILE_STORE=true in the environment, or pass a database URI such "
+    "as 'sqlite:///mlruns.db'.": _refused_file_store,
 }
 
 

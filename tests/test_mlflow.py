@@ -273,3 +273,88 @@ def test_mlflow_tracker_explains_values_mlflow_rejects(database: Path) -> None:
     run_id = tracker.run_id
     assert run_id is not None
     assert _client(database).get_run(run_id).data.params == {"lr": "0.1"}
+
+
+def _refuses_file_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip unless this MLflow refuses a file store without the opt-out (MLflow 3)."""
+    variables = pytest.importorskip("mlflow.environment_variables")
+    if not hasattr(variables, "MLFLOW_ALLOW_FILE_STORE"):
+        pytest.skip("this MLflow accepts a file store without an opt-out")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("call", "owner"),
+    [
+        (lambda t: t.log({"loss": 1.0}), "log"),
+        (lambda t: t.store_init_configuration({"lr": 0.1}), "store_init_configuration"),
+    ],
+)
+def test_mlflow_tracker_names_a_refused_file_store_and_the_opt_out(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    call: Callable[[Any], object],
+    owner: str,
+) -> None:
+    _refuses_file_stores(monkeypatch)
+    uri = (tmp_path / "mlruns").as_uri()
+    tracker = MLflowTracker(uri)
+    with pytest.raises(ValueError) as caught:
+        call(tracker)
+    assert str(caught.value) == (
+        f"MLflowTracker.{owner}: MLflow refused the tracking backend {uri!r} (a file "
+        "store, which MLflow 3 opens only on request); set "
+        "MLFLOW_ALLOW_FILE_STORE=true in the environment, or pass a database URI "
+        "such as 'sqlite:///mlruns.db'."
+    )
+    assert tracker.run_id is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mlflow_tracker_shows_a_long_refused_uri_in_part(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _refuses_file_stores(monkeypatch)
+    uri = "file:///" + "x" * 1000
+    with pytest.raises(
+        ValueError, match=r"refused the tracking backend 'file:///x+ \.\.\. x+'"
+    ) as caught:
+        MLflowTracker(uri).log({"loss": 1.0})
+    assert len(str(caught.value)) < 300
+
+
+def test_mlflow_tracker_uses_a_file_store_with_the_opt_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _refuses_file_stores(monkeypatch)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    tracker = MLflowTracker(uri, experiment_name="file-store")
+    tracker.log({"loss": 0.5}, step=2)
+    tracker.finish()
+    run_id = tracker.run_id
+    assert run_id is not None
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(2, 0.5)]
+
+
+def test_mlflow_tracker_keeps_other_set_up_rejections_as_rejected_values(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    def refuse(**_: object) -> None:
+        raise MlflowException("bad name", error_code=INVALID_PARAMETER_VALUE)
+
+    monkeypatch.setattr(mlflow_tracking, "MlflowClient", refuse)
+    with pytest.raises(ValueError) as caught:
+        MLflowTracker(tmp_path / "mlflow.db").log({"loss": 1.0})
+    assert str(caught.value) == (
+        "MLflowTracker.log: MLflow rejected a value: bad name; pass an "
+        "experiment_name and run_name MLflow accepts, and restore the experiment "
+        "'funcaccel' if it was deleted."
+    )

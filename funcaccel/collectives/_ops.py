@@ -42,6 +42,7 @@ from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._leaves import is_tensor_tree
 from funcaccel.collectives._leaves import tensor_leaves
 from funcaccel.collectives._pad import check_pad_args
+from funcaccel.collectives._pad import check_pad_dim
 from funcaccel.collectives._pad import check_pad_fill
 from funcaccel.collectives._pad import pad_tensor
 from funcaccel.context import DistributedContext
@@ -291,17 +292,18 @@ def pad_across_processes(
 
     Padding is ``pad_index``, after the data (before it with ``pad_first``); leaves
     with fewer than ``dim + 1`` dims are returned as they are, as is a leaf already
-    of the largest size. ``data`` is not modified. With 2 ranks, rank 0 ``[1, 2, 3]``
-    and rank 1 ``[4]``: rank 0 keeps ``[1, 2, 3]``, rank 1 gets ``[4, 0, 0]``
-    (``[0, 0, 4]`` with ``pad_first``).
+    of the largest size, but when no leaf on any rank has ``dim`` the call is a
+    ``ValueError`` (the dim is wrong, not the data). ``data`` is not modified.
+    With 2 ranks, rank 0 ``[1, 2, 3]`` and rank 1 ``[4]``: rank 0 keeps
+    ``[1, 2, 3]``, rank 1 gets ``[4, 0, 0]`` (``[0, 0, 4]`` with ``pad_first``).
 
     Raises:
         TypeError: a leaf is not a tensor, ``dim`` not an int, ``pad_index`` not
             a number or ``pad_first`` not a bool.
         ValueError: ``dim`` is negative; on every rank, a structure that
-            differs across ranks, or a fractional ``pad_index`` for an integer
-            leaf that has ``dim`` (with one process too, though nothing is
-            padded there).
+            differs across ranks, no leaf on any rank with dimension ``dim``, or
+            a fractional ``pad_index`` for an integer leaf that has ``dim`` (with
+            one process too, though nothing is padded there).
         RuntimeError: no process group matches ``ctx``, or (with
             ``ctx.collective_timeout``) not every rank reached this call.
     """
@@ -312,11 +314,16 @@ def pad_across_processes(
     if ctx.num_processes == 1:
         one = [[(tuple(t.shape), str(t.dtype))] for t in leaves]
         check_pad_fill(caller, one, dim=dim, pad_index=pad_index, pad_first=pad_first)
+        check_pad_dim(caller, one, dim=dim)
         return data
     guard_collective(ctx, caller)
     specs = exchange(ctx, caller, paths, leaves)
     # On the gathered specs, so every rank raises alike before any tensor moves.
+    # The dim check cannot run before the exchange: one rank's leaf may lack dim
+    # while another rank's has it, and then only some ranks would raise, leaving
+    # the others waiting in the exchange.
     check_pad_fill(caller, specs, dim=dim, pad_index=pad_index, pad_first=pad_first)
+    check_pad_dim(caller, specs, dim=dim)
     longest = [
         max((s[dim] for s, _ in per_rank if len(s) > dim), default=0)
         for per_rank in specs

@@ -6,12 +6,17 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import summary
 
-__all__ = ["check_pad_args", "check_pad_fill", "pad_tensor"]
+__all__ = ["check_pad_args", "check_pad_dim", "check_pad_fill", "pad_tensor"]
+
+_SHOWN_SHAPES: Final = 3
+"""The most leaf shapes a ``check_pad_dim`` message lists before "..."."""
 
 
 def pad_tensor(
@@ -113,3 +118,36 @@ def check_pad_fill(
                     "or cast the leaf to a floating dtype."
                 )
                 raise ValueError(msg)
+
+
+def check_pad_dim(
+    caller: str, specs: list[list[tuple[tuple[int, ...], str]]], *, dim: int
+) -> None:
+    """Raise unless some leaf, on some rank, has dimension ``dim``.
+
+    ``specs`` is as for ``check_pad_fill``, every rank's shapes, so each rank
+    reaches the same verdict even where the ranks' leaves differ in ndim (a leaf
+    that lacks ``dim`` while another has it is left as it is, not an error). A
+    structure without leaves has nothing to pad and passes.
+
+    >>> check_pad_dim("f", [[((2, 3), "torch.int64")]], dim=1)
+    >>> check_pad_dim("f", [[((2, 3), "torch.int64")]], dim=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: f: dim (5) is not a dimension of any leaf; got leaf shapes (2, 3); ...
+    """
+    # The distinct shapes over leaves and ranks, in order: ranks see the same list.
+    shapes = list(dict.fromkeys(shape for per_rank in specs for shape, _ in per_rank))
+    if not shapes or any(len(shape) > dim for shape in shapes):
+        return
+    listing = ", ".join(summary(shape) for shape in shapes[:_SHOWN_SHAPES])
+    if len(shapes) > _SHOWN_SHAPES:
+        listing += ", ..."
+    most = max(len(shape) for shape in shapes)
+    fix = (
+        f"pass a dim below {most} (the most dims any leaf has)"
+        if most
+        else "0-d leaves have no dim to pad: reshape them to 1-d first (t.reshape(1))"
+    )
+    msg = f"{caller}: dim ({dim}) is not a dimension of any leaf; got leaf shapes {listing}; {fix}."
+    raise ValueError(msg)

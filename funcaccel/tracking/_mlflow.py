@@ -90,6 +90,33 @@ def _explained(owner: str, hint: str) -> Iterator[None]:
         raise ValueError(msg) from error
 
 
+# MLflow 3 refuses a file store ("file:..." URIs) with an INVALID_PARAMETER_VALUE
+# that names this opt-out; nothing else in the error tells it from a bad name.
+_FILE_STORE_OPT_OUT: Final = "MLFLOW_ALLOW_FILE_STORE"
+
+
+@contextmanager
+def _refused_file_store(owner: str, uri: str) -> Iterator[None]:
+    """Re-raise MLflow's refusal of a file store as a ``ValueError`` naming ``uri``."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as error:
+        if (
+            error.error_code != "INVALID_PARAMETER_VALUE"
+            or _FILE_STORE_OPT_OUT not in error.message
+        ):
+            raise
+        msg = (
+            f"{owner}: MLflow refused the tracking backend {summary(uri)} (a file "
+            "store, which MLflow 3 opens only on request); set "
+            f"{_FILE_STORE_OPT_OUT}=true in the environment, or pass a database "
+            "URI such as 'sqlite:///mlruns.db'."
+        )
+        raise ValueError(msg) from error
+
+
 def _prepare_database(database: Path) -> None:
     """Create the database's directory, or say why it cannot be a database."""
     # MLflow retries a database it cannot open for about two minutes before it
@@ -168,6 +195,10 @@ class MLflowTracker(TrackerBase):
     Raises:
         ImportError: mlflow is not installed (checked on construction, so every
             rank fails early; nothing is imported until the first call).
+        ValueError: on the first call, when MLflow refuses a file store
+            (``"file:..."``): MLflow 3 opens one only when the environment sets
+            ``MLFLOW_ALLOW_FILE_STORE=true``; a path or a database URI needs no
+            opt-out.
     """
 
     __slots__ = (
@@ -235,7 +266,13 @@ class MLflowTracker(TrackerBase):
             f"pass an experiment_name and run_name MLflow accepts, and restore the "
             f"experiment {self._experiment_name!r} if it was deleted"
         )
-        with _explained(f"MLflowTracker.{method}", hint):
+        owner = f"MLflowTracker.{method}"
+        # The refusal is turned into a ValueError first, so _explained, which
+        # handles only MLflow's errors, leaves it as it is.
+        with (
+            _explained(owner, hint),
+            _refused_file_store(owner, self._tracking_uri),
+        ):
             client = MlflowClient(tracking_uri=self._tracking_uri)
             experiment_id = _experiment_id(
                 client, self._experiment_name, self._artifact_location
