@@ -16,7 +16,6 @@ names rank 1 and carries its traceback.
 
 from __future__ import annotations
 
-import gc
 import math
 import multiprocessing
 import os
@@ -41,6 +40,9 @@ import torch.distributed as dist
 from typing_extensions import TypeVarTuple
 from typing_extensions import Unpack
 
+from funcaccel.context import end_process_group
+from funcaccel.context import start_process_group
+
 __all__ = ["LaunchError", "StartMethod", "launch", "pick_start_method"]
 
 T = TypeVar("T")
@@ -49,9 +51,6 @@ Ts = TypeVarTuple("Ts")
 StartMethod = Literal["spawn", "fork", "forkserver"]
 _START_METHODS: Final = ("spawn", "fork", "forkserver")
 _POLL_S: Final = 0.02
-# After every rank has returned, how long a process may take to exit before it is
-# killed (its result is in; torch 2.13's gloo can hang or abort at exit).
-_EXIT_GRACE_S: Final = 10.0
 _TRACEBACK_CHARS: Final = 8_000
 
 
@@ -259,7 +258,7 @@ def _child(
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
     try:
-        dist.init_process_group(
+        start_process_group(
             backend,
             init_method=f"file://{rundir}/rendezvous",
             rank=rank,
@@ -277,9 +276,7 @@ def _child(
     except BaseException as error:  # reported to the parent
         outcome = _failure(rank, error)
     finally:
-        if dist.is_available() and dist.is_initialized():
-            gc.collect()  # free DDP modules while their group exists (close_context)
-            dist.destroy_process_group()
+        end_process_group()  # as close_context: the group's threads end here
     _write_outcome(rundir, outcome)
 
 
@@ -319,17 +316,21 @@ def _raise_failure(failures: list[_Outcome], num_processes: int) -> None:
     raise error from (cause if isinstance(cause, BaseException) else None)
 
 
-def _exit_message(rank: int, code: int | None, num_processes: int) -> str:
+def _how_it_ended(rank: int, code: int | None, num_processes: int) -> str:
     how = (
         f"was killed by signal {-code}"
         if code is not None and code < 0
         else (f"exited with code {code}")
     )
     hint = " (SIGKILL: out of memory?)" if code == -9 else ""
+    return f"launch: rank {rank} of {num_processes} {how}{hint}"
+
+
+def _exit_message(rank: int, code: int | None, num_processes: int) -> str:
     return (
-        f"launch: rank {rank} of {num_processes} {how}{hint} before returning a "
-        "result (os._exit, sys.exit or a crash in native code); the other ranks "
-        "were stopped."
+        f"{_how_it_ended(rank, code, num_processes)} before returning a result "
+        "(os._exit, sys.exit or a crash in native code); the other ranks were "
+        "stopped."
     )
 
 
@@ -375,6 +376,36 @@ def _wait(
             raise TimeoutError(msg)
         time.sleep(_POLL_S)
     return [outcomes[rank] for rank in range(n)]
+
+
+def _wait_for_exits(
+    processes: list[BaseProcess], deadline: float | None, timeout_s: float | None
+) -> None:
+    """Wait for every rank to exit; raise if one failed after returning its result.
+
+    A rank that returned and then died at interpreter exit (a crash in native
+    code during teardown) is a failed job under torchrun too, so it is reported,
+    not hidden; one that does not exit is waited for up to the ``timeout_s``
+    deadline.
+    """
+    n = len(processes)
+    for rank, process in enumerate(processes):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        process.join(timeout=left)
+        if process.exitcode is None:
+            msg = (
+                f"launch: rank {rank} of {n} returned its result but did not exit "
+                f"within timeout_s={timeout_s} s (a hang at interpreter exit: a "
+                "thread or process group still alive?); it was killed."
+            )
+            raise TimeoutError(msg)
+        if process.exitcode != 0:
+            msg = (
+                f"{_how_it_ended(rank, process.exitcode, n)} after returning its "
+                "result (a crash at interpreter exit); under torchrun this job "
+                "would fail too."
+            )
+            raise LaunchError(msg, rank=rank, traceback_text="")
 
 
 def launch(
@@ -457,9 +488,9 @@ def launch(
                 )
                 raise TypeError(msg) from error
             processes.append(process)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         outcomes = _wait(processes, rundir, timeout_s)
-        for process in processes:
-            process.join(timeout=_EXIT_GRACE_S)
+        _wait_for_exits(processes, deadline, timeout_s)
         results: list[T] = [pickle.loads(o.payload) for o in outcomes]
         return results
     finally:

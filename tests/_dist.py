@@ -5,6 +5,12 @@ test that starts its own group). Workers rendezvous through a ``file://`` store 
 ``tmp_path`` (no ports), each worker's return value comes back to the test, and an
 exception in any worker fails the test with that worker's traceback.
 
+Workers start and end the group as ``build_context`` and ``close_context`` do
+(``start_process_group`` waits until every rank has joined, so a quick rank cannot
+leave while another is still connecting; ``end_process_group`` ends the group's
+threads before the worker exits). Nothing is retried: a failed set-up or exit
+fails the test.
+
 Workers are started from a fork server that has imported torch and funcaccel once,
 so a test pays for the import once rather than per process, and no worker inherits
 the test process's thread pools.
@@ -23,12 +29,12 @@ from typing import Final
 from typing import ParamSpec
 from typing import TypeVar
 
-import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.multiprocessing.spawn import start_processes
 
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
+from funcaccel.context import end_process_group
+from funcaccel.context import start_process_group
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -60,15 +66,6 @@ def _result_path(tmp_path: Path, rank: int) -> Path:
     return tmp_path / f"rank_{rank}.result.pkl"
 
 
-def _started_path(tmp_path: Path, rank: int) -> Path:
-    return tmp_path / f"rank_{rank}.started"
-
-
-# gloo's TCP mesh set-up can fail when the machine is overloaded (seen with several
-# test runs at once on 2 cores); nothing of the test has run yet then.
-_GLOO_SETUP_FAILURE: Final = "Gloo connectFullMesh failed"
-
-
 def _ranked_worker(
     rank: int,
     fn: Callable[..., object],
@@ -77,13 +74,12 @@ def _ranked_worker(
     args: tuple[object, ...],
     kwargs: dict[str, object],
 ) -> None:
-    dist.init_process_group(
+    start_process_group(
         "gloo",
         init_method=f"file://{tmp_path}/rendezvous",
         rank=rank,
         world_size=world_size,
     )
-    _started_path(tmp_path, rank).touch()
     try:
         ctx = DistributedContext(
             num_processes=world_size,
@@ -95,7 +91,7 @@ def _ranked_worker(
         result = fn(ctx, *args, **kwargs)
         _result_path(tmp_path, rank).write_bytes(pickle.dumps(result))
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def _plain_worker(
@@ -117,31 +113,6 @@ def _collect(tmp_path: Path, world_size: int) -> list[Any]:
     ]
 
 
-def spawn_once_more_on_gloo_setup_failure(
-    worker: Callable[..., None],
-    head: tuple[object, ...],
-    tail: tuple[object, ...],
-    world_size: int,
-    tmp_path: Path,
-) -> Path:
-    """Run ``worker(rank, *head, tmp_path, *tail)``; return the ``tmp_path`` it used.
-
-    If gloo's set-up of the group failed on every rank that reported (no rank
-    wrote its ``started`` marker, so the test's function never ran), the workers
-    run once more through a fresh rendezvous in a subdirectory.
-    """
-    try:
-        _spawn(worker, (*head, tmp_path, *tail), world_size)
-    except ProcessRaisedException as failure:
-        started = any(_started_path(tmp_path, r).exists() for r in range(world_size))
-        if started or _GLOO_SETUP_FAILURE not in str(failure):
-            raise
-        tmp_path = tmp_path / "after-gloo-setup-failure"
-        tmp_path.mkdir()
-        _spawn(worker, (*head, tmp_path, *tail), world_size)
-    return tmp_path
-
-
 def run_ranks(
     fn: Callable[Concatenate[DistributedContext, P], T],
     world_size: int,
@@ -160,9 +131,7 @@ def run_ranks(
         The workers' return values, indexed by rank.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
-    tmp_path = spawn_once_more_on_gloo_setup_failure(
-        _ranked_worker, (fn, world_size), (args, kwargs), world_size, tmp_path
-    )
+    _spawn(_ranked_worker, (fn, world_size, tmp_path, args, kwargs), world_size)
     results: list[T] = _collect(tmp_path, world_size)
     return results
 

@@ -2,8 +2,9 @@
 
 ``run_script`` starts ``python <script>`` (or ``torchrun --standalone`` with several
 processes) from the repository root with funcaccel importable from the checkout and
-no launcher variables inherited, kills the whole process group on timeout, and
-retries once a run that hit torch 2.13's gloo abort at interpreter exit.
+no launcher variables inherited, and kills the whole process group on timeout.
+Nothing is retried: a run that trained to the end and then failed at exit fails
+its test, as it fails a user's job.
 """
 
 from __future__ import annotations
@@ -30,12 +31,6 @@ _LAUNCHER_VARS: Final = frozenset(
         "MASTER_PORT",
     }
 )
-# torch 2.13 with gloo: a DDP process can abort after its work is done, at
-# interpreter exit, when a gloo worker thread is still freeing the last collective's
-# buffers (it needs the GIL, which finalization no longer hands out; DDP keeps the
-# group's threads alive past destroy_process_group). Seen in about 1 run in 20 on
-# a loaded 2-core machine. Such a run is retried once.
-EXIT_RACE: Final = "terminate called without an active exception"
 
 
 @dataclass(frozen=True)
@@ -58,7 +53,7 @@ def script_env() -> dict[str, str]:
     return env
 
 
-def _once(command: list[str], timeout: float) -> Finished:
+def _run(command: list[str], timeout: float) -> Finished:
     # A session of its own, so a hung torchrun is killed with its workers.
     with subprocess.Popen(
         command,
@@ -82,21 +77,14 @@ def run_script(
     script: Path,
     *args: object,
     processes: int = 1,
-    done_marker: str | None = None,
     timeout: float = 240.0,
 ) -> Finished:
     """Run ``script`` with ``args``; return how it finished (the caller checks).
 
-    With ``processes > 1`` it runs under ``torchrun --standalone``. A run that
-    failed with ``EXIT_RACE`` in its stderr, after printing ``done_marker`` (when
-    given), is run once more.
+    With ``processes > 1`` it runs under ``torchrun --standalone``.
     """
     launcher = ["-m", "torch.distributed.run", "--standalone"]
     launcher += [f"--nproc_per_node={processes}"]
     command = [sys.executable, *(launcher if processes > 1 else []), str(script)]
     command += [str(arg) for arg in args]
-    done = _once(command, timeout)
-    raced = done.status != 0 and EXIT_RACE in done.stderr
-    if raced and (done_marker is None or done_marker in done.stdout):
-        done = _once(command, timeout)  # once; a second abort fails
-    return done
+    return _run(command, timeout)

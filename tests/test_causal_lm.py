@@ -43,7 +43,7 @@ EPOCH_LINE = r"^epoch (\d)/2: loss (\d+\.\d{4}) per token, lr \S+, \d+ tokens/s$
 
 
 def _finished(args: list[object], *, processes: int = 1) -> Finished:
-    done = run_script(SCRIPT, *args, processes=processes, done_marker="param_sha256: ")
+    done = run_script(SCRIPT, *args, processes=processes)
     assert done.status == 0, done.stdout + done.stderr
     return done
 

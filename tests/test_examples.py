@@ -28,7 +28,6 @@ def run_example(name: str, processes: int, *args: object) -> dict[str, float]:
         REPO / "examples" / f"{name}.py",
         *args,
         processes=processes,
-        done_marker=f"{name}: ",
     )
     assert done.status == 0, f"{done.command} exited {done.status}:\n{done.stderr}"
     lines = [line for line in done.stdout.splitlines() if line.startswith(f"{name}: ")]

@@ -35,7 +35,6 @@ def _finished(args: list[str], *, processes: int = 1, timeout: float = 240) -> F
         SCRIPT,
         *args,
         processes=processes,
-        done_marker="param_sha256: ",
         timeout=timeout,
     )
     assert done.status == 0, done.stdout + done.stderr

@@ -1,7 +1,8 @@
 """The distributed context: a frozen value describing the world, built once.
 
 ``_context.py`` holds ``DistributedContext`` and the functions that build, check and
-close it; ``_env.py`` what they read from outside the process.
+close it; ``_group.py`` how the default process group starts and ends (so that
+every rank exits cleanly); ``_env.py`` what they read from outside the process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from funcaccel.context._context import context_from_env
 from funcaccel.context._context import effective_backend
 from funcaccel.context._context import effective_timeout
 from funcaccel.context._context import require_process_group
+from funcaccel.context._group import end_process_group
+from funcaccel.context._group import start_process_group
 
 __all__ = [
     "build_context",
@@ -25,5 +28,7 @@ __all__ = [
     "DistributedType",
     "effective_backend",
     "effective_timeout",
+    "end_process_group",
     "require_process_group",
+    "start_process_group",
 ]

@@ -15,7 +15,6 @@ rank, without starting a process group:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -32,6 +31,8 @@ from funcaccel._typing import MixedPrecision
 from funcaccel.context._env import check_mixed_precision
 from funcaccel.context._env import env_int
 from funcaccel.context._env import rendezvous_init_method
+from funcaccel.context._group import end_process_group
+from funcaccel.context._group import start_process_group
 from funcaccel.kwargs import InitProcessGroupKwargs
 
 __all__ = [
@@ -384,7 +385,7 @@ def build_context(
         torch.cuda.set_device(ctx.device)
     backend = ctx.backend or effective_backend(kwargs, ctx.device)
     init_method = rendezvous_init_method(kwargs, env)
-    dist.init_process_group(
+    start_process_group(
         backend,
         init_method=init_method,
         timeout=effective_timeout(kwargs, backend),
@@ -398,14 +399,13 @@ def close_context(ctx: DistributedContext) -> None:
     """End the default process group ``ctx`` runs in (a no-op with one process).
 
     Safe to call twice; call it at the end of a script started by torchrun, after
-    the training function that held the models has returned. Unreachable objects
-    are collected first: a DDP module sits in a reference cycle, and with torch 2.13
-    on gloo, freeing it after its group is gone can hang (its destructor waits for
-    gloo's threads while holding the GIL they need).
+    the training function that held the models has returned. The group and its
+    threads end here, not at interpreter exit: unreachable objects (a DDP module
+    in a reference cycle) are collected first, and torch's references that would
+    keep the group alive are released (see docs/context.md, "Ending the run").
     """
-    if ctx.num_processes > 1 and dist.is_available() and dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
+    if ctx.num_processes > 1:
+        end_process_group()
 
 
 def check_context(ctx: object, caller: str) -> DistributedContext:
