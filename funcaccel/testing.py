@@ -17,7 +17,6 @@ communicate.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Final
 from typing import Literal
 from typing import TypedDict
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from typing_extensions import TypeVarTuple
 from typing_extensions import Unpack
 
+from funcaccel.context import CollectiveTimeout
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.launch import StartMethod
@@ -50,7 +50,7 @@ class ContextFields(TypedDict, total=False):
     distributed_type: DistributedType
     mixed_precision: Literal["no", "fp16", "bf16"]
     backend: str | None
-    collective_timeout: timedelta | float | None
+    collective_timeout: CollectiveTimeout
 
 
 _FIELDS: Final = frozenset(ContextFields.__annotations__)

@@ -10,14 +10,18 @@ without is checked by the guarded runs in ``test_collectives.py`` and
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from typing import Final
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from funcaccel.checkpoint import save_checkpoint
@@ -26,8 +30,12 @@ from funcaccel.collectives import gather
 from funcaccel.collectives import guard_collective
 from funcaccel.collectives import reduce
 from funcaccel.collectives import wait_for_everyone
+from funcaccel.collectives._guard import settle_arrival
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
+from funcaccel.context import end_process_group
+from funcaccel.context import start_process_group
+from tests._dist import run_processes
 from tests._dist import run_ranks
 
 BOUND_S: Final = 2.0
@@ -178,13 +186,27 @@ def test_every_rank_that_called_names_the_one_that_did_not(
     assert "missing" not in three_ranks[2]
 
 
-def test_the_guard_is_off_with_one_process_or_without_a_bound() -> None:
+def test_the_guard_is_off_with_one_process_or_when_turned_off() -> None:
     guard_collective(DistributedContext(collective_timeout=0.1), "gather")
-    # Several processes but no bound: nothing is checked, not even the group.
+    guard_collective(DistributedContext(), "gather")
+    # Several processes but "off": nothing is checked, not even the group.
     hand_built = DistributedContext(
-        num_processes=2, distributed_type=DistributedType.MULTI_CPU
+        num_processes=2,
+        distributed_type=DistributedType.MULTI_CPU,
+        collective_timeout="off",
     )
     guard_collective(hand_built, "gather")
+
+
+def test_the_guard_is_on_by_default() -> None:
+    # No bound given: the guard runs (bounded by the group's timeout), so it
+    # needs the group.
+    ctx = DistributedContext(
+        num_processes=2, distributed_type=DistributedType.MULTI_CPU
+    )
+    assert ctx.collective_timeout is None
+    with pytest.raises(RuntimeError, match=r"^gather: ctx has num_processes=2"):
+        guard_collective(ctx, "gather")
 
 
 def test_the_guard_needs_a_process_group_when_on() -> None:
@@ -197,3 +219,166 @@ def test_the_guard_needs_a_process_group_when_on() -> None:
         RuntimeError, match=r"^wait_for_everyone: ctx has num_processes=2"
     ):
         guard_collective(ctx, "wait_for_everyone")
+
+
+class _CountingStore:
+    """A HashStore shared by threads standing in for ranks; counts each rank's ops."""
+
+    def __init__(self) -> None:
+        self._store = dist.HashStore()
+        self.ops: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _count(self) -> None:
+        with self._lock:
+            self.ops[threading.current_thread().name] += 1
+
+    def add(self, key: str, value: int, /) -> int:
+        self._count()
+        return self._store.add(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str, /) -> bytes:
+        self._count()
+        return self._store.compare_set(key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: timedelta, /) -> None:
+        self._count()
+        self._store.wait(keys, timeout)
+
+    def get(self, key: str, /) -> bytes:
+        self._count()
+        return self._store.get(key)
+
+    def set(self, key: str, value: str, /) -> None:
+        self._count()
+        self._store.set(key, value)
+
+    def check(self, keys: list[str], /) -> bool:
+        self._count()
+        return self._store.check(keys)
+
+    def delete_key(self, key: str, /) -> bool:
+        self._count()
+        return self._store.delete_key(key)
+
+    def keys(self) -> int:
+        return self._store.num_keys()
+
+
+def _arrive_all(
+    store: _CountingStore, callers: list[str], timeout_s: float = 20.0
+) -> list[Any]:
+    """Every rank (a thread named by its rank) arrives once; return the decisions."""
+    world = len(callers)
+    results: list[Any] = [None] * world
+
+    def arrive(rank: int) -> None:
+        results[rank] = settle_arrival(
+            store, rank, world, callers[rank], timedelta(seconds=timeout_s)
+        )
+
+    threads = [
+        threading.Thread(target=arrive, args=(r,), name=str(r)) for r in range(world)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 8, 64, 256])
+def test_the_guard_costs_a_constant_number_of_store_operations_per_rank(
+    world: int,
+) -> None:
+    store = _CountingStore()
+    calls = 3
+    for call in range(calls):
+        decisions = _arrive_all(store, ["gather"] * world)
+        assert decisions == [(None, call + 1)] * world
+    # Five operations per rank and call whatever the world size; the last to
+    # arrive at each call settles it and deletes the call before's keys (4 more).
+    per_rank = sorted(store.ops[str(r)] for r in range(world))
+    assert sum(per_rank) == 5 * calls * world + 1 * calls + 3 * (calls - 1)
+    assert per_rank[-1] <= 5 * calls + 4 * calls
+    # Keys of finished calls are deleted: what is left does not grow with calls.
+    assert store.keys() <= world + 3 * 2
+
+
+def test_a_rank_reaching_another_call_settles_a_mismatch_for_all() -> None:
+    store = _CountingStore()
+    decisions = _arrive_all(store, ["gather", "reduce", "gather"])
+    kinds = {decision["kind"] for decision, _ in decisions}
+    assert kinds == {"mismatch"}
+    assert all(number == 1 for _, number in decisions)
+
+
+def test_ranks_that_never_arrive_are_named_by_those_that_waited() -> None:
+    store = _CountingStore()
+    world = 4
+    waited = [
+        settle_arrival(store, rank, world, "gather", timedelta(seconds=0.2))
+        for rank in (0, 2)
+    ]
+    for decision, number in waited:
+        assert number == 1
+        assert decision == {"kind": "missing", "rank": 0, "missing": [1, 2, 3]}
+
+
+GROUP_TIMEOUT_S: Final = 3.0
+_DEFAULT_CALLS: Final = ("save_checkpoint", "gather", "wait_for_everyone")
+
+
+def _alone_with_defaults(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    """Rank 0 calls three collectives alone; no bound is set but the group's."""
+    start_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    done = tmp_path / "rank-0-done"
+    try:
+        ctx = DistributedContext(
+            num_processes=world_size,
+            process_index=rank,
+            local_process_index=rank,
+            distributed_type=DistributedType.MULTI_CPU,
+            backend="gloo",
+        )
+        if rank != 0:
+            _wait_for(done)
+            return {}
+        calls: dict[str, Callable[[], object]] = {
+            "save_checkpoint": lambda: save_checkpoint(
+                ctx, tmp_path / "ckpt", models=nn.Linear(1, 1)
+            ),
+            "gather": lambda: gather(ctx, torch.ones(1)),
+            "wait_for_everyone": lambda: wait_for_everyone(ctx),
+        }
+        out = {name: _outcome(call) for name, call in calls.items()}
+        done.touch()
+        return out
+    finally:
+        end_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_by_default_a_call_on_rank_zero_only_fails_within_the_groups_timeout(
+    tmp_path: Path, world_size: int
+) -> None:
+    # No collective_timeout: the bound is the group's own timeout (here 3 s),
+    # and the error names the call and every rank that did not arrive.
+    alone = run_processes(_alone_with_defaults, world_size, tmp_path)[0]
+    others = ", ".join(str(r) for r in range(1, world_size))
+    ranks = "rank" if world_size == 2 else "ranks"
+    for call in _DEFAULT_CALLS:
+        message, seconds = alone[call]
+        assert message is not None, f"{call} returned on rank 0 alone"
+        assert message.startswith(
+            f"{call}: a collective call; {ranks} {others} did not reach it within "
+            f"3 s: call {call} on every rank (not under `if ctx.is_main_process`)"
+        ), message
+        assert GROUP_TIMEOUT_S <= seconds < GROUP_TIMEOUT_S + SLACK_S

@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 from torch.nn.functional import cross_entropy
 from torch.nn.functional import mse_loss
 from torch.nn.parallel import DistributedDataParallel
@@ -57,7 +58,6 @@ from funcaccel.collectives import gather
 from funcaccel.collectives import gather_for_metrics
 from funcaccel.collectives import reduce
 from funcaccel.collectives import wait_for_everyone
-from funcaccel.collectives._guard import _store
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.context import build_context
@@ -383,14 +383,14 @@ def _nccl_of_one(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
         ctx = build_context(environ={"WORLD_SIZE": "1"}, mixed_precision="bf16")
         x = torch.arange(4.0, device=CUDA0)
         dist.all_reduce(x)  # plain PyTorch: NCCL itself works on this GPU
-        store = _store()  # the collective guard's store (the default group's)
+        store = c10d._get_default_store()  # the collective guard's store
         out: dict[str, Any] = {
             "backend": dist.get_backend(),
             "ctx": (str(ctx.device), ctx.distributed_type.value, ctx.backend),
             "mixed_precision": ctx.mixed_precision,
             "comm_device": str(comm_device(ctx)),
             "all_reduce": x.tolist(),
-            "store": [store.add("count/0", 1), store.add("count/0", 1)],
+            "store": [store.add("probe/count", 1), store.add("probe/count", 1)],
         }
         close_context(ctx)  # one process: the caller's group is left alone
         out["initialised_after_close"] = dist.is_initialized()

@@ -1,46 +1,56 @@
-"""Fail fast, naming the call, when a collective is called on only some ranks.
+"""Fail within a bound, naming the call, when a collective is called on only some ranks.
 
 A collective that only some ranks call (``save_checkpoint`` under
-``if ctx.is_main_process``) waits for the process group's timeout, 30 minutes on
-gloo, and then fails with the backend's error, which names neither the funcaccel
-call nor the fact that it is collective. With ``ctx.collective_timeout`` set, every
-funcaccel function that communicates calls ``guard_collective`` right before its
-first message:
+``if ctx.is_main_process``) would wait in the backend for the process group's
+timeout and end in the backend's error, which names neither the funcaccel call nor
+the fact that it is collective. So every funcaccel function that communicates
+calls ``guard_collective`` right before its first message; by default the bound is
+the process group's own timeout (``ctx.collective_timeout=None``), a shorter one can
+be set, and ``collective_timeout="off"`` skips the check.
 
-1. each rank counts its guarded calls in the process group's key-value store (the
-   one every backend rendezvoused through, so NCCL and gloo alike) and writes the
-   name of this call under its number;
-2. it waits, at most ``ctx.collective_timeout``, for every rank's name under the
-   same number;
-3. one decision per call is settled atomically (``compare_set``): "everyone
-   arrived" by the first rank that saw every name, or "rank 0 gave up; ranks
-   [1] missing" by the first that ran out of time. Every rank that reaches the
-   call reads the same decision, so a rank arriving after another gave up raises
-   too instead of entering a collective nobody else will join;
-4. with everyone arrived, every rank compares the names, so ranks that reached
-   different collectives (rank 0 ``save_checkpoint``, rank 1 ``gather``) all raise.
+The check costs a constant number of operations on the process group's key-value
+store per rank and call, whatever the world size (the store every backend
+rendezvoused through):
 
-No tensor moves and the backend is not touched, but a failed guard leaves the ranks
-disagreeing on how many collectives they have made: treat the ``RuntimeError`` as
-the end of the run (fix the call, then restart), not as something to retry.
+1. ``add`` to this rank's call counter gives the call's number ``n``;
+2. ``compare_set`` of the call's name under ``n``: the first rank to arrive writes
+   its name, every later one reads it back; a rank reading another name has
+   reached a different collective and settles the decision "mismatch" at once;
+3. ``add`` to the arrival count of ``n``: the rank that makes it ``world_size``
+   settles the decision "arrived" (and deletes call ``n - 1``'s keys, which every
+   rank has finished with once all reached ``n``);
+4. ``wait`` for the decision (at most the bound) and ``get`` it. A rank that runs
+   out of time settles "rank r gave up", naming the ranks whose counters show they
+   never reached ``n`` (read only on this failure path).
+
+Every rank that reaches the call reads the same decision (``compare_set`` settles
+it once), so a rank arriving after another gave up raises too instead of entering
+a collective nobody else will join. No tensor moves and the backend is not
+touched, but a failed guard leaves the ranks disagreeing on how many collectives
+they have made: treat the ``RuntimeError`` as the end of the run (fix the call,
+then restart), not as something to retry.
 """
 
 from __future__ import annotations
 
 import json
 from datetime import timedelta
+from typing import Any
 from typing import Final
+from typing import Protocol
 
 from torch.distributed import distributed_c10d as c10d
 
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 
-__all__ = ["guard_collective"]
+__all__ = ["KeyValueStore", "guard_collective", "settle_arrival"]
 
 _PREFIX: Final = "funcaccel/collective_guard/"
 _ARRIVED: Final = "arrived"
 _CALLER_LIMIT: Final = 60
+# How long a rank that learnt of a mismatch waits for the others' call names.
+_LISTING_WAIT: Final = timedelta(seconds=10)
 _AFTER_FAILURE: Final = (
     "The ranks now disagree on how many collectives they have made, so later "
     "collectives may fail or hang: end the run (close_context) instead of "
@@ -48,10 +58,23 @@ _AFTER_FAILURE: Final = (
 )
 
 
-def _store() -> c10d.Store:
-    # The default group's store is the one rendezvous every backend shares; torch
-    # offers no public accessor for it, so this is the one place that reaches it.
-    return c10d.PrefixStore(_PREFIX, c10d._get_default_store())
+class KeyValueStore(Protocol):
+    """What the guard needs of a store (torch's ``Store`` classes have it)."""
+
+    def add(self, key: str, value: int, /) -> int: ...
+    def compare_set(self, key: str, expected: str, desired: str, /) -> bytes: ...
+    def wait(self, keys: list[str], timeout: timedelta, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def set(self, key: str, value: str, /) -> None: ...
+    def check(self, keys: list[str], /) -> bool: ...
+    def delete_key(self, key: str, /) -> bool: ...
+
+
+def _group_timeout(store: c10d.Store) -> timedelta:
+    # The default store was made with the group's timeout (init_process_group
+    # passes it on); its stubs do not declare the attribute.
+    timeout: object = getattr(store, "timeout", None)
+    return timeout if isinstance(timeout, timedelta) else c10d.default_pg_timeout
 
 
 def _seconds(timeout: timedelta) -> str:
@@ -61,16 +84,18 @@ def _seconds(timeout: timedelta) -> str:
 def guard_collective(ctx: DistributedContext, caller: str) -> None:
     """Return once every rank has reached this same collective, or raise.
 
-    Does nothing with one process or when ``ctx.collective_timeout`` is ``None``.
-    Call it right before the first message a collective sends, after every check
-    a single rank could fail (a rank that raises before the guard is then named
-    as missing, instead of leaving the others in the collective). While the guard
-    is on it is itself a barrier: no rank returns before every rank called it.
+    Does nothing with one process or with ``ctx.collective_timeout="off"``; waits
+    at most ``ctx.collective_timeout``, or the process group's timeout when that
+    is ``None`` (the default). Call it right before the first message a collective
+    sends, after every check a single rank could fail (a rank that raises before
+    the guard is then named as missing, instead of leaving the others in the
+    collective). The guard is itself a barrier: no rank returns before every rank
+    called it.
 
-    With 2 ranks and ``collective_timeout=3``: rank 0 calls
-    ``save_checkpoint`` and rank 1 does not; after 3 s rank 0 raises
-    ``save_checkpoint: a collective call; rank 1 did not reach it within 3 s ...``.
-    Had rank 1 called ``gather`` instead, both would raise, naming both calls.
+    With 2 ranks and ``collective_timeout=3``: rank 0 calls ``save_checkpoint``
+    and rank 1 does not; after 3 s rank 0 raises ``save_checkpoint: a collective
+    call; rank 1 did not reach it within 3 s ...``. Had rank 1 called ``gather``
+    instead, both would raise at once, naming both calls.
 
     Args:
         ctx: the distributed context; its ``collective_timeout`` bounds the wait.
@@ -82,46 +107,92 @@ def guard_collective(ctx: DistributedContext, caller: str) -> None:
             ranks reached different collectives. The ranks' collective counts then
             disagree, so the process group should not be used again.
     """
-    timeout = ctx.collective_timeout
-    if timeout is None or ctx.num_processes == 1:
+    if ctx.num_processes == 1 or ctx.collective_timeout == "off":
         return
-    assert isinstance(timeout, timedelta)  # DistributedContext normalises it
     require_process_group(ctx, caller)
-    store = _store()
+    # The default group's store is the one rendezvous every backend shares; torch
+    # offers no public accessor for it, so this is the one place that reaches it.
+    base = c10d._get_default_store()
+    timeout = ctx.collective_timeout
+    if not isinstance(timeout, timedelta):  # None: the group's own timeout
+        timeout = _group_timeout(base)
+    store = c10d.PrefixStore(_PREFIX, base)
     rank, world = ctx.process_index, ctx.num_processes
+    settled, number = settle_arrival(store, rank, world, caller, timeout)
+    if settled is None:
+        return
+    if settled["kind"] == "missing":
+        _raise_missing(rank, caller, timeout, settled)
+    _raise_mismatch(store, rank, world, caller, number, timeout)
+
+
+def settle_arrival(
+    store: KeyValueStore, rank: int, world: int, caller: str, timeout: timedelta
+) -> tuple[dict[str, Any] | None, int]:
+    """Arrive at this rank's next guarded call; return the decision and its number.
+
+    The decision is ``None`` when every rank arrived with the same call, else a
+    dict: ``{"kind": "mismatch", "rank": r}`` (rank ``r`` found another call's
+    name) or ``{"kind": "missing", "rank": r, "missing": [...]}`` (rank ``r`` gave
+    up waiting; ``missing`` the ranks that had not arrived). Five store operations
+    per rank on the way through (``add``, ``compare_set``, ``add``, ``wait``,
+    ``get``), four more on the rank that arrives last.
+    """
+    name = caller[:_CALLER_LIMIT]
     number = store.add(f"count/{rank}", 1)
-    keys = [f"call/{number}/{r}" for r in range(world)]
+    decision_key = f"decision/{number}"
+    first = store.compare_set(f"name/{number}", "", name).decode()
+    if first != name:
+        mismatch = json.dumps({"kind": "mismatch", "rank": rank})
+        store.compare_set(decision_key, "", mismatch)
+    elif store.add(f"arrived/{number}", 1) == world:
+        store.compare_set(decision_key, "", _ARRIVED)
+        if number > 1:  # every rank is done with the call before
+            for key in ("name", "arrived", "decision"):
+                store.delete_key(f"{key}/{number - 1}")
+    try:
+        store.wait([decision_key], timeout)
+    except RuntimeError:  # the store's timeout (DistStoreError on TCPStore)
+        counts = [store.add(f"count/{r}", 0) for r in range(world)]
+        missing = [r for r, count in enumerate(counts) if count < number]
+        gave_up = json.dumps({"kind": "missing", "rank": rank, "missing": missing})
+        store.compare_set(decision_key, "", gave_up)
+    decision = store.get(decision_key).decode()
+    settled: dict[str, Any] | None = (
+        None if decision == _ARRIVED else json.loads(decision)
+    )
+    return settled, number
+
+
+def _raise_mismatch(
+    store: KeyValueStore,
+    rank: int,
+    world: int,
+    caller: str,
+    number: int,
+    timeout: timedelta,
+) -> None:
+    # The failure path only: each rank writes its call's name, then lists every
+    # rank's (a rank that does not write in time shows as "?").
+    keys = [f"who/{number}/{r}" for r in range(world)]
     store.set(keys[rank], caller[:_CALLER_LIMIT])
     try:
-        store.wait(keys, timeout)
-        proposal = _ARRIVED
-    except RuntimeError:  # the store's timeout (DistStoreError on TCPStore)
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        proposal = json.dumps({"rank": rank, "missing": missing})
-    decision = store.compare_set(f"decision/{number}", "", proposal).decode()
-    if decision != _ARRIVED:
-        _raise_missing(ctx, caller, timeout, json.loads(decision))
-    callers = [value.decode() for value in store.multi_get(keys)]
-    if any(name != callers[0] for name in callers):
-        listing = ", ".join(f"rank {r}: {name}" for r, name in enumerate(callers))
-        msg = (
-            f"{caller}: a collective call, but the ranks reached different "
-            f"collectives ({listing}); call the same funcaccel collectives in the "
-            f"same order on every rank. {_AFTER_FAILURE}"
-        )
-        raise RuntimeError(msg)
-    if number > 2:
-        # Every rank has finished call number - 2: each has written its name for
-        # number - 1, which it does only after returning from the call before.
-        store.delete_key(f"call/{number - 2}/{rank}")
-        if ctx.is_main_process:
-            store.delete_key(f"decision/{number - 2}")
+        store.wait(keys, min(timeout, _LISTING_WAIT))
+    except RuntimeError:
+        pass
+    names = [store.get(key).decode() if store.check([key]) else "?" for key in keys]
+    listing = ", ".join(f"rank {r}: {name}" for r, name in enumerate(names))
+    msg = (
+        f"{caller}: a collective call, but the ranks reached different "
+        f"collectives ({listing}); call the same funcaccel collectives in the "
+        f"same order on every rank. {_AFTER_FAILURE}"
+    )
+    raise RuntimeError(msg)
 
 
 def _raise_missing(
-    ctx: DistributedContext, caller: str, timeout: timedelta, decision: object
+    rank: int, caller: str, timeout: timedelta, decision: dict[str, Any]
 ) -> None:
-    assert isinstance(decision, dict)
     gave_up, missing = decision["rank"], decision["missing"]
     if missing:
         ranks = ", ".join(map(str, missing))
@@ -129,7 +200,7 @@ def _raise_missing(
         what = f"rank{plural} {ranks} did not reach it within {_seconds(timeout)}"
     else:
         what = f"a rank reached it only after {_seconds(timeout)}"
-    if ctx.process_index in missing:
+    if rank in missing:
         what += f" (this rank arrived after rank {gave_up} gave up waiting)"
     msg = (
         f"{caller}: a collective call; {what}: call {caller} on every rank (not "

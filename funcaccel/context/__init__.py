@@ -16,10 +16,12 @@ from funcaccel.context._context import context_from_env
 from funcaccel.context._context import effective_backend
 from funcaccel.context._context import effective_timeout
 from funcaccel.context._context import require_process_group
+from funcaccel.context._env import CollectiveTimeout
 from funcaccel.context._group import end_process_group
 from funcaccel.context._group import start_process_group
 
 __all__ = [
+    "CollectiveTimeout",
     "build_context",
     "check_context",
     "close_context",

@@ -24,10 +24,11 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-from funcaccel._checks import check_duration
 from funcaccel._checks import summary
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel._typing import MixedPrecision
+from funcaccel.context._env import CollectiveTimeout
+from funcaccel.context._env import check_collective_timeout
 from funcaccel.context._env import check_mixed_precision
 from funcaccel.context._env import env_int
 from funcaccel.context._env import rendezvous_init_method
@@ -78,8 +79,9 @@ class DistributedContext:
         collective_timeout: how long a funcaccel collective waits for every rank
             to call it before raising a ``RuntimeError`` that names the call and
             the missing ranks (a ``timedelta`` or seconds; stored as a
-            ``timedelta``). ``None``, the default, turns the check off: a call only
-            some ranks make then waits for the process group's timeout.
+            ``timedelta``). ``None``, the default, bounds it by the process
+            group's own timeout; ``"off"`` skips the check (a call only some ranks
+            make then waits in the backend and ends in its error).
 
     Raises:
         ValueError: a field out of range or inconsistent with another.
@@ -95,7 +97,7 @@ class DistributedContext:
     distributed_type: DistributedType = DistributedType.NO
     mixed_precision: MixedPrecision = "no"
     backend: str | None = None
-    collective_timeout: timedelta | float | None = None
+    collective_timeout: CollectiveTimeout = None
 
     def __post_init__(self) -> None:
         owner = "DistributedContext"
@@ -144,7 +146,7 @@ class DistributedContext:
             )
             raise TypeError(msg)
         _check_type_consistency(self)
-        timeout = check_duration(owner, "collective_timeout", self.collective_timeout)
+        timeout = check_collective_timeout(owner, self.collective_timeout)
         object.__setattr__(self, "collective_timeout", timeout)
 
     @property
@@ -231,7 +233,7 @@ def context_from_env(
     mixed_precision: MixedPrecision = "no",
     cpu: bool = False,
     init_kwargs: InitProcessGroupKwargs | None = None,
-    collective_timeout: timedelta | float | None = None,
+    collective_timeout: CollectiveTimeout = None,
 ) -> DistributedContext:
     """Build the context torchrun's variables in ``environ`` describe; start nothing.
 
@@ -245,7 +247,7 @@ def context_from_env(
         cpu: force the CPU even when CUDA is available.
         init_kwargs: decides the backend (see ``effective_backend``).
         collective_timeout: the context's ``collective_timeout`` (seconds or a
-            ``timedelta``; ``None`` leaves the check off).
+            ``timedelta``; ``None``: the group's timeout; ``"off"``).
 
     Returns:
         The context; its device is ``cuda:<LOCAL_RANK % device_count>`` when CUDA is
@@ -261,7 +263,7 @@ def context_from_env(
     (1, 'MULTI_CPU', 'gloo')
     """
     # Checked first: a bad timeout is the caller's, not the environment's.
-    check_duration("context_from_env", "collective_timeout", collective_timeout)
+    check_collective_timeout("context_from_env", collective_timeout)
     use_cuda = torch.cuda.is_available() and not cpu
     world = environ.get("WORLD_SIZE")
     if world is None or world.strip() == "1":
@@ -341,7 +343,7 @@ def build_context(
     cpu: bool = False,
     init_kwargs: InitProcessGroupKwargs | None = None,
     environ: Mapping[str, str] | None = None,
-    collective_timeout: timedelta | float | None = None,
+    collective_timeout: CollectiveTimeout = None,
 ) -> DistributedContext:
     """Build the context from torchrun's environment and start the process group.
 
@@ -358,7 +360,8 @@ def build_context(
         init_kwargs: options for ``init_process_group``.
         environ: where to read torchrun's variables; ``os.environ`` when ``None``.
         collective_timeout: bound the wait of every funcaccel collective for the
-            other ranks (see ``DistributedContext``); ``None`` leaves it off.
+            other ranks (see ``DistributedContext``); ``None``, the default,
+            bounds it by the group's timeout, ``"off"`` skips the check.
 
     Returns:
         The context; end the group with ``close_context(ctx)``.

@@ -13,16 +13,56 @@ surfacing in the first forward pass.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
+from datetime import timedelta
+from typing import Literal
+from typing import TypeAlias
 
 import torch
 
+from funcaccel._checks import check_duration
 from funcaccel._checks import summary
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel.kwargs import InitProcessGroupKwargs
 
-__all__ = ["check_mixed_precision", "env_int", "rendezvous_init_method"]
+__all__ = [
+    "CollectiveTimeout",
+    "check_collective_timeout",
+    "check_mixed_precision",
+    "env_int",
+    "rendezvous_init_method",
+]
+
+# How long funcaccel's collectives wait for every rank: a duration, None (the
+# process group's own timeout) or "off".
+CollectiveTimeout: TypeAlias = timedelta | float | Literal["off"] | None
+
+
+def check_collective_timeout(caller: str, value: object) -> timedelta | str | None:
+    """Return ``value`` as a positive ``timedelta``, ``"off"`` or ``None``.
+
+    >>> check_collective_timeout("f", 2), check_collective_timeout("f", "off")
+    (datetime.timedelta(seconds=2), 'off')
+    """
+    if value == "off" and isinstance(value, str):
+        return "off"
+    if isinstance(value, str):
+        msg = (
+            f"{caller}: collective_timeout must be a datetime.timedelta, a number "
+            f"of seconds, None (the process group's timeout) or 'off'; got "
+            f"{summary(value)}."
+        )
+        raise ValueError(msg)
+    if isinstance(value, float) and not math.isfinite(value):
+        msg = (
+            f"{caller}: collective_timeout must be a finite number of seconds; got "
+            f"{value!r}. Pass 'off' to turn the check off, or None for the process "
+            "group's timeout."
+        )
+        raise ValueError(msg)
+    return check_duration(caller, "collective_timeout", value)
 
 
 def env_int(environ: Mapping[str, str], name: str) -> int:
