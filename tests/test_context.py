@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import funcaccel
+from funcaccel.context import CollectiveTimeout
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.context import build_context
@@ -84,10 +85,11 @@ def test_context_is_frozen_and_changed_only_by_replace() -> None:
         (3, timedelta(seconds=3)),
         (2.5, timedelta(seconds=2.5)),
         (timedelta(minutes=1), timedelta(minutes=1)),
+        ("off", "off"),
     ],
 )
 def test_collective_timeout_is_stored_as_a_timedelta(
-    given: timedelta | float | None, stored: timedelta | None
+    given: CollectiveTimeout, stored: CollectiveTimeout
 ) -> None:
     ctx = DistributedContext(collective_timeout=given)
     assert ctx.collective_timeout == stored
@@ -168,8 +170,13 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
         (
             {"collective_timeout": "60"},
             TypeError,
-            r"collective_timeout must be a datetime\.timedelta, a number of seconds "
-            r"or None; got '60' \(str\)",
+            r"collective_timeout must be a datetime\.timedelta, a number of seconds, "
+            r"None \(the process group's timeout\) or 'off'; got '60' \(str\)",
+        ),
+        (
+            {"collective_timeout": "Off"},
+            TypeError,
+            r"collective_timeout must be .* or 'off'; got 'Off'",
         ),
         ({"collective_timeout": True}, TypeError, r"collective_timeout must be a"),
         ({"collective_timeout": 0}, ValueError, r"collective_timeout must be positive"),

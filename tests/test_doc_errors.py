@@ -10,7 +10,6 @@ mistyped in the docs) fails until both agree again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import HashStore
 from torch.utils.data import BatchSampler
 from torch.utils.data import DataLoader
 
@@ -171,16 +171,11 @@ def _unsharded_into_fsdp(tmp_path: Path) -> object:
 
 
 def _different_collectives(tmp_path: Path) -> None:
-    # Two ranks' guard calls, simulated in one store: rank 1 already wrote its
-    # call (reduce); rank 0 then reaches gather.
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    store.set("call/1/1", "reduce")
-    ctx = dataclasses.replace(_world(2), collective_timeout=timedelta(seconds=60))
-    with (
-        mock.patch.object(_guard, "require_process_group"),
-        mock.patch.object(_guard, "_store", return_value=store),
-    ):
-        _guard.guard_collective(ctx, "gather")
+    # Two ranks' guard calls, simulated in one store: rank 1 is in reduce's call
+    # number 1 (it named itself there); rank 0 reaches gather and lists them.
+    store = HashStore()
+    store.set("who/1/1", "reduce")
+    _guard._raise_mismatch(store, 0, 2, "gather", 1, timedelta(seconds=60))
 
 
 def _two_ranks_gather(other: Any, data: Any, caller: str = "gather") -> object:
@@ -491,7 +486,7 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "initialised; ...": lambda _: fa.gather(_world(2), torch.ones(1)),
     "RuntimeError: gather: a collective call; rank 1 did not reach it within 60 s: "
     "call gather on every rank (not under ...": lambda _: _guard._raise_missing(
-        _world(2), "gather", timedelta(seconds=60), {"rank": 0, "missing": [1]}
+        0, "gather", timedelta(seconds=60), {"rank": 0, "missing": [1]}
     ),
     "RuntimeError: gather: a collective call, but the ranks reached different "
     "collectives (rank 0: gather, rank 1: reduce); ...": _different_collectives,

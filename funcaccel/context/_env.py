@@ -52,9 +52,9 @@ def check_collective_timeout(caller: str, value: object) -> timedelta | str | No
         msg = (
             f"{caller}: collective_timeout must be a datetime.timedelta, a number "
             f"of seconds, None (the process group's timeout) or 'off'; got "
-            f"{summary(value)}."
+            f"{summary(value)} (str)."
         )
-        raise ValueError(msg)
+        raise TypeError(msg)
     if isinstance(value, float) and not math.isfinite(value):
         msg = (
             f"{caller}: collective_timeout must be a finite number of seconds; got "
