@@ -8,8 +8,10 @@ file) runs in a subprocess fed a script on stdin.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -127,6 +129,43 @@ def test_launch_kills_a_hanging_rank_after_timeout_s() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not return"):
         launch(_hang_on_rank_zero, num_processes=2, timeout_s=20)
+    assert time.monotonic() - start < 60
+
+
+def _abort_at_exit_on_rank_one() -> int:
+    rank = dist.get_rank()
+    if rank == 1:
+        # Returns its result, then dies during interpreter shutdown.
+        atexit.register(os.abort)
+    return rank
+
+
+def _hang_at_exit_on_rank_one() -> int:
+    rank = dist.get_rank()
+    if rank == 1:
+        atexit.register(time.sleep, 3600)
+    return rank
+
+
+@pytest.mark.distributed
+def test_launch_reports_a_rank_that_crashed_after_returning() -> None:
+    # A user's torchrun job fails when a rank aborts at exit: launch says so too.
+    with pytest.raises(
+        LaunchError,
+        match=r"^launch: rank 1 of 2 was killed by signal 6 after returning its "
+        r"result \(a crash at interpreter exit\)",
+    ) as caught:
+        launch(_abort_at_exit_on_rank_one, num_processes=2, timeout_s=60)
+    assert caught.value.rank == 1
+
+
+@pytest.mark.distributed
+def test_launch_bounds_a_rank_that_hangs_at_exit_by_timeout_s() -> None:
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match=r"^launch: rank 1 of 2 returned its result but did not exit"
+    ):
+        launch(_hang_at_exit_on_rank_one, num_processes=2, timeout_s=20)
     assert time.monotonic() - start < 60
 
 
