@@ -35,10 +35,9 @@ from torch.multiprocessing.spawn import start_processes
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.collectives import gather_for_metrics
 from funcaccel.context import CollectiveTimeout
-from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.context import end_process_group
 from funcaccel.context import start_process_group
+from funcaccel.testing import rank_ctx
 
 VARIANTS = ("off", "on", "off again")
 Timings = dict[str, dict[str, list[float]]]
@@ -63,13 +62,7 @@ def _worker(
 ) -> None:
     torch.set_num_threads(1)
     start_process_group("gloo", init_method=init, world_size=world, rank=rank)
-    base = DistributedContext(
-        num_processes=world,
-        process_index=rank,
-        local_process_index=rank,
-        distributed_type=DistributedType.MULTI_CPU,
-        backend="gloo",
-    )
+    base = rank_ctx(world, rank)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     small = torch.ones(8)
     timings: Timings = {"gather_for_metrics": {}, "save_checkpoint": {}}

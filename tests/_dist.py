@@ -32,9 +32,9 @@ from typing import TypeVar
 from torch.multiprocessing.spawn import start_processes
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.context import end_process_group
 from funcaccel.context import start_process_group
+from funcaccel.testing import rank_ctx
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -81,13 +81,7 @@ def _ranked_worker(
         world_size=world_size,
     )
     try:
-        ctx = DistributedContext(
-            num_processes=world_size,
-            process_index=rank,
-            local_process_index=rank,
-            distributed_type=DistributedType.MULTI_CPU,
-            backend="gloo",
-        )
+        ctx = rank_ctx(world_size, rank)
         result = fn(ctx, *args, **kwargs)
         _result_path(tmp_path, rank).write_bytes(pickle.dumps(result))
     finally:

@@ -35,6 +35,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.context import end_process_group
 from funcaccel.context import start_process_group
+from funcaccel.testing import rank_ctx
 from tests._dist import run_processes
 from tests._dist import run_ranks
 
@@ -340,13 +341,7 @@ def _alone_with_defaults(rank: int, world_size: int, tmp_path: Path) -> dict[str
     )
     done = tmp_path / "rank-0-done"
     try:
-        ctx = DistributedContext(
-            num_processes=world_size,
-            process_index=rank,
-            local_process_index=rank,
-            distributed_type=DistributedType.MULTI_CPU,
-            backend="gloo",
-        )
+        ctx = rank_ctx(world_size, rank)
         if rank != 0:
             _wait_for(done)
             return {}
