@@ -40,8 +40,7 @@ from funcaccel._checks import summary
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
-from funcaccel.collectives import comm_device
-from funcaccel.collectives import guard_collective
+from funcaccel.collectives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.context import require_process_group
@@ -491,7 +490,7 @@ def _token_weighted_step(
         # Once per window: an optimizer built before FSDP2 or tensor parallelism
         # replaced the parameters would step nothing, silently.
         check_optimizers_hold(models, optimizers, caller)
-    total = local if p == 1 else _all_reduce_count(ctx, local)
+    (total,) = all_reduce_ints(ctx, [local], caller=caller)
     skipped = total == 0  # nothing to average: no update rather than 0/0
     if not skipped:
         # Each rank now holds (1/p) * sum over ranks of its summed-loss gradients
@@ -519,13 +518,6 @@ def _clip_and_step(
             optimizer=optimizers,
         )
     return optimizer_step(optimizers, scaler=scaler)
-
-
-def _all_reduce_count(ctx: DistributedContext, local: int) -> int:
-    guard_collective(ctx, "accumulate_step")
-    count = torch.tensor(local, dtype=torch.int64, device=comm_device(ctx))
-    dist.all_reduce(count)
-    return int(count.item())
 
 
 def _require_averaged_grads(

@@ -1,8 +1,10 @@
 """Collectives over nested tensors: gather, broadcast, reduce, pad, gather for metrics.
 
 ``_ops.py`` holds the public functions; ``_exchange.py`` what ranks agree on before
-moving tensors; ``_pad.py`` the padding arithmetic; ``_primitives.py`` the in-place
-broadcast and communication device that the loader and RNG sync build on;
+moving tensors; ``_pad.py`` the padding arithmetic; ``_primitives.py`` the
+communication device and the raw collectives on it (the in-place broadcast that
+the loader and RNG sync build on, ``all_reduce_ints`` for every count and flag
+funcaccel sends);
 ``_process_sync.py`` barriers, flags agreed across ranks and
 ``split_between_processes``;
 ``_guard.py`` the check, under ``ctx.collective_timeout``, that every rank reached
@@ -22,6 +24,7 @@ from funcaccel.collectives._ops import gather_object
 from funcaccel.collectives._ops import pad_across_processes
 from funcaccel.collectives._ops import reduce
 from funcaccel.collectives._pad import pad_tensor
+from funcaccel.collectives._primitives import all_reduce_ints
 from funcaccel.collectives._primitives import broadcast_
 from funcaccel.collectives._primitives import comm_device
 from funcaccel.collectives._process_sync import all_processes
@@ -33,6 +36,7 @@ from funcaccel.collectives._process_sync import wait_for_everyone
 
 __all__ = [
     "all_processes",
+    "all_reduce_ints",
     "any_process",
     "exchange_codes",
     "padded_count",

@@ -1,19 +1,22 @@
-"""The in-place tensor broadcast and the communication device other packages build on.
+"""The communication device and the raw collectives other packages build on.
 
-The loader's dispatch mode and the RNG sync send raw tensors from rank 0; with one
-process nothing is sent.
+The loader's dispatch mode and the RNG sync send raw tensors from rank 0
+(``broadcast_``); window item counts and per-rank codes are summed over ranks
+(``all_reduce_ints``). With one process nothing is sent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 import torch
 import torch.distributed as dist
 
+from funcaccel.collectives._guard import guard_collective
 from funcaccel.context import DistributedContext
 
-__all__ = ["broadcast_", "comm_device"]
+__all__ = ["all_reduce_ints", "broadcast_", "comm_device"]
 
 _CPU: Final = torch.device("cpu")
 
@@ -42,3 +45,37 @@ def broadcast_(ctx: DistributedContext, tensor: torch.Tensor) -> torch.Tensor:
     if ctx.num_processes > 1 and tensor.numel() > 0:
         dist.broadcast(tensor, src=0)
     return tensor
+
+
+def all_reduce_ints(
+    ctx: DistributedContext, values: Sequence[int], *, caller: str
+) -> list[int]:
+    """Return the element-wise sum of ``values`` over every rank, on every rank.
+
+    The one place funcaccel sends counts and flags: guarded under ``caller``'s
+    name (``guard_collective``), then one all-reduce of an int64 tensor built on
+    ``comm_device(ctx)`` (NCCL moves only CUDA tensors). Every rank passes as many
+    values. With one process nothing is sent and no process group is needed.
+    ``values`` is not modified; the caller has checked the process group.
+
+    Args:
+        ctx: the run's context.
+        values: this rank's ints (each within int64).
+        caller: the public function's name, for the guard's messages.
+
+    Returns:
+        A new list: ``values`` with one process, otherwise the sums over ranks.
+
+    Example, with 2 ranks: rank 0 ``[3, 0]`` and rank 1 ``[4, 1]`` give
+    ``[7, 1]`` on both.
+
+    >>> all_reduce_ints(DistributedContext(), [3, 0], caller="example")
+    [3, 0]
+    """
+    if ctx.num_processes == 1:
+        return list(values)
+    guard_collective(ctx, caller)
+    tensor = torch.tensor(values, dtype=torch.int64, device=comm_device(ctx))
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    sums: list[int] = tensor.tolist()
+    return sums

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from funcaccel.collectives._guard import guard_collective
-from funcaccel.collectives._primitives import comm_device
+from funcaccel.collectives._primitives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.context import require_process_group
@@ -98,20 +98,15 @@ def wait_for_everyone(ctx: DistributedContext) -> None:
 def exchange_codes(ctx: DistributedContext, code: int, *, caller: str) -> list[int]:
     """Return every rank's ``code`` (a small int >= 0), indexed by rank.
 
-    One all-reduce of a ``num_processes``-long vector in which each rank fills only
-    its own slot (``any_process``, ``main_process_first`` and
+    One ``all_reduce_ints`` of a ``num_processes``-long vector in which each rank
+    fills only its own slot (``any_process``, ``main_process_first`` and
     ``find_executable_batch_size`` are built on it), guarded by
     ``ctx.collective_timeout`` under ``caller``'s name. The caller has checked
     the process group.
     """
-    if ctx.num_processes == 1:
-        return [code]
-    guard_collective(ctx, caller)
-    slots = torch.zeros(ctx.num_processes, dtype=torch.int64, device=comm_device(ctx))
+    slots = [0] * ctx.num_processes
     slots[ctx.process_index] = code
-    dist.all_reduce(slots, op=dist.ReduceOp.SUM)
-    codes: list[int] = slots.tolist()
-    return codes
+    return all_reduce_ints(ctx, slots, caller=caller)
 
 
 def _agreed_flags(ctx: DistributedContext, caller: str, flag: object) -> list[int]:

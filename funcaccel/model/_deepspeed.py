@@ -34,6 +34,7 @@ from torch import nn
 
 from funcaccel._checks import summary
 from funcaccel._typing import Stateful
+from funcaccel.collectives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
@@ -175,7 +176,9 @@ def _check_engine_step(
         )
         raise ValueError(msg)
     if scaler is not None:
-        msg = f"{caller}: a DeepSpeed engine scales fp16 losses itself; pass scaler=None."
+        msg = (
+            f"{caller}: a DeepSpeed engine scales fp16 losses itself; pass scaler=None."
+        )
         raise ValueError(msg)
     if autocast_kwargs is not None:
         msg = f"{caller}: a DeepSpeed engine runs its module in the config's precision itself; pass autocast_kwargs=None."
@@ -237,7 +240,9 @@ def deepspeed_step(
     items = None if num_items is None else check_num_items(num_items, "accumulate_step")
     engine.set_gradient_accumulation_boundary(synced)
     loss = loss_fn()
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+    if not (
+        isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
+    ):
         msg = (
             "accumulate_step: loss_fn() must return a scalar loss tensor that "
             f"requires grad; got {summary(loss)}."
@@ -258,11 +263,7 @@ def deepspeed_step(
     if local is None:
         factor = k / (grad.micro_step + 1)
     else:
-        total = local
-        if ctx.num_processes > 1:
-            count = torch.tensor(local, dtype=torch.int64)
-            dist.all_reduce(count)
-            total = int(count.item())
+        (total,) = all_reduce_ints(ctx, [local], caller="accumulate_step")
         if total == 0:
             msg = (
                 "accumulate_step: the window holds no items on any rank (num_items "
