@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Final
+from typing import NoReturn
 from typing import TypeVar
+from typing import cast
 
 import torch
 
@@ -27,6 +29,9 @@ __all__ = [
     "a_or_an",
     "as_tuple_of",
     "check_bool",
+    "check_choice",
+    "check_type",
+    "fail_type",
     "check_duration",
     "check_int",
     "check_norm",
@@ -87,7 +92,9 @@ def summary(value: object, limit: int = SUMMARY_LIMIT) -> str:
     return f"{text[:keep]} ... {text[-keep:]}"
 
 
-def _short(value: list[object] | tuple[object, ...] | Mapping[object, object], limit: int) -> bool:
+def _short(
+    value: list[object] | tuple[object, ...] | Mapping[object, object], limit: int
+) -> bool:
     if len(value) > limit // 2:
         return False
     try:
@@ -150,12 +157,78 @@ def as_tuple_of(
     raise TypeError(msg)
 
 
+def fail_type(
+    caller: str, name: str, value: object, what: str, hint: str = ""
+) -> NoReturn:
+    """Raise the ``TypeError`` every wrong-type check raises.
+
+    The message: ``"{caller}: {name} must be {what}; got {summary} ({type}).{hint}"``,
+    with ``hint`` (the fix) after a space when given.
+
+    >>> fail_type("f", "n", "3", "an int", "Pass int(n).")
+    Traceback (most recent call last):
+    TypeError: f: n must be an int; got '3' (str). Pass int(n).
+    """
+    fix = f" {hint}" if hint else ""
+    msg = f"{caller}: {name} must be {what}; got {summary(value)} ({type_name(value)}).{fix}"
+    raise TypeError(msg)
+
+
+def check_type(
+    caller: str,
+    name: str,
+    value: T | object,
+    types: type[T] | tuple[type, ...],
+    *,
+    what: str | None = None,
+    hint: str = "",
+    optional: bool = False,
+) -> T:
+    """Return ``value`` if it is an instance of ``types`` (or ``None`` when ``optional``).
+
+    A bool never passes for an ``int`` or ``float``. ``what`` names the expected
+    type in the message (default: the type's name with its article, "or None"
+    added when ``optional``); ``hint`` gives the fix. See ``fail_type``.
+
+    >>> check_type("f", "n", 3, int)
+    3
+    >>> check_type("f", "n", True, int, hint="Pass a count.")
+    Traceback (most recent call last):
+    TypeError: f: n must be an int; got True (bool). Pass a count.
+    """
+    if value is None and optional:
+        return cast("T", value)  # None is what optional allows
+    kinds = types if isinstance(types, tuple) else (types,)
+    bool_as_number = isinstance(value, bool) and bool not in kinds
+    if isinstance(value, kinds) and not bool_as_number:
+        return cast("T", value)  # isinstance has checked it
+    if what is None:
+        names = " or ".join(kind.__name__ for kind in kinds)
+        what = a_or_an(names) + (" or None" if optional else "")
+    fail_type(caller, name, value, what, hint)
+
+
+def check_choice(
+    caller: str, name: str, value: T, choices: Sequence[T], *, hint: str = ""
+) -> T:
+    """Return ``value`` if it is one of ``choices``; raise ``ValueError`` if not.
+
+    >>> check_choice("f", "mode", "max", ("sum", "mean"))
+    Traceback (most recent call last):
+    ValueError: f: mode must be one of 'sum', 'mean'; got 'max'.
+    """
+    if value in choices and type(value) in {type(choice) for choice in choices}:
+        return value
+    listed = ", ".join(repr(choice) for choice in choices)
+    fix = f" {hint}" if hint else ""
+    msg = f"{caller}: {name} must be one of {listed}; got {summary(value)}.{fix}"
+    raise ValueError(msg)
+
+
 def check_bool(caller: str, name: str, value: object) -> bool:
     """Return ``value`` if it is a bool; raise ``TypeError`` naming ``caller`` if not."""
     if type(value) is not bool:
-        msg = (
-            f"{caller}: {name} must be a bool; got {summary(value)} ({type_name(value)})."
-        )
+        msg = f"{caller}: {name} must be a bool; got {summary(value)} ({type_name(value)})."
         raise TypeError(msg)
     return value
 
