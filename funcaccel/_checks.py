@@ -32,6 +32,7 @@ __all__ = [
     "check_choice",
     "check_type",
     "fail_type",
+    "fail_value",
     "check_duration",
     "check_int",
     "check_norm",
@@ -295,3 +296,20 @@ def check_scaler(scaler: object, caller: str) -> None:
             f"{summary(scaler)} ({type_name(scaler)}). Build one with build_grad_scaler."
         )
         raise TypeError(msg)
+
+
+def fail_value(
+    caller: str, name: str, value: object, what: str, hint: str = ""
+) -> NoReturn:
+    """Raise the ``ValueError`` of a value out of range: ``fail_type``'s shape, no type.
+
+    The message: ``"{caller}: {name} must be {what}; got {summary}.{hint}"``, with
+    ``hint`` (the fix) after a space when given; ``check_choice`` uses the same shape.
+
+    >>> fail_value("f", "rate", 1.5, "in (0, 1)", "Use e.g. 0.5.")
+    Traceback (most recent call last):
+    ValueError: f: rate must be in (0, 1); got 1.5. Use e.g. 0.5.
+    """
+    fix = f" {hint}" if hint else ""
+    msg = f"{caller}: {name} must be {what}; got {summary(value)}.{fix}"
+    raise ValueError(msg)
