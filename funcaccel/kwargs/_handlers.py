@@ -26,11 +26,12 @@ from typing import ClassVar
 from typing import Final
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_choice
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import is_bool
 from funcaccel._checks import is_int
 from funcaccel._checks import is_real
-from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel.kwargs._base import KwargsHandler
 
 __all__ = [
@@ -76,13 +77,8 @@ class DDPCommunicationHookType(str, Enum):
 _POWER_SGD_HOOKS: Final = frozenset(
     {DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD}
 )
-_WRAPPERS: Final = frozenset(
-    {
-        DDPCommunicationHookType.NO,
-        DDPCommunicationHookType.FP16,
-        DDPCommunicationHookType.BF16,
-    }
-)
+# The hooks that can wrap PowerSGD, in the order the error message lists them.
+_WRAPPERS: Final = ("no", "fp16", "bf16")
 # The keyword arguments of torch's PowerSGDState (besides process_group), with the
 # kind of value each takes: "int" (>= 0), "real" (>= 0) or "bool".
 POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = MappingProxyType(
@@ -100,18 +96,13 @@ POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = MappingProxyType(
 )
 
 
+_HOOK_NAMES: Final = tuple(hook.value for hook in DDPCommunicationHookType)
+
+
 def _as_hook(owner: str, name: str, value: object) -> DDPCommunicationHookType:
-    valid = ", ".join(repr(h.value) for h in DDPCommunicationHookType)
-    if not isinstance(value, str):
-        msg = (
-            f"{owner}: {name} must be a str; got {summary(value)} ({type_name(value)})."
-        )
-        raise TypeError(msg)
-    try:
-        return DDPCommunicationHookType(value)
-    except ValueError:
-        msg = f"{owner}: {name} must be one of {valid}; got {summary(value)}."
-        raise ValueError(msg) from None
+    # str() gives a member's value (the enum's __str__), so both spellings pass.
+    text = str(check_type(owner, name, value, str))
+    return DDPCommunicationHookType(check_choice(owner, name, text, _HOOK_NAMES))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,17 +136,16 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def __post_init__(self) -> None:
         owner = "DistributedDataParallelKwargs"
         if not is_int(self.dim) or self.dim < 0:
-            msg = f"{owner}: dim must be an int >= 0; got {summary(self.dim)}."
-            raise ValueError(msg)
-        if not is_real(self.bucket_cap_mb):
-            msg = (
-                f"{owner}: bucket_cap_mb must be a number (MB); got "
-                f"{summary(self.bucket_cap_mb)} ({type_name(self.bucket_cap_mb)})."
-            )
-            raise TypeError(msg)
+            fail_value(owner, "dim", self.dim, "an int >= 0")
+        check_type(
+            owner,
+            "bucket_cap_mb",
+            self.bucket_cap_mb,
+            (int, float),
+            what="a number (MB)",
+        )
         if not self.bucket_cap_mb > 0:
-            msg = f"{owner}: bucket_cap_mb must be a number > 0; got {summary(self.bucket_cap_mb)}."
-            raise ValueError(msg)
+            fail_value(owner, "bucket_cap_mb", self.bucket_cap_mb, "a number > 0")
         for name in (
             "broadcast_buffers",
             "find_unused_parameters",
@@ -166,24 +156,20 @@ class DistributedDataParallelKwargs(KwargsHandler):
             check_bool(owner, name, getattr(self, name))
         hook = _as_hook(owner, "comm_hook", self.comm_hook)
         wrapper = _as_hook(owner, "comm_wrapper", self.comm_wrapper)
-        if wrapper not in _WRAPPERS:
-            msg = (
-                f"{owner}: comm_wrapper must be one of 'no', 'fp16', 'bf16'; "
-                f"got {wrapper.value!r}."
-            )
-            raise ValueError(msg)
+        check_choice(owner, "comm_wrapper", wrapper.value, _WRAPPERS)
         if wrapper is not DDPCommunicationHookType.NO and hook not in _POWER_SGD_HOOKS:
             msg = (
                 f"{owner}: comm_wrapper={wrapper.value!r} needs comm_hook 'power_sgd' "
                 f"or 'batched_power_sgd'; got comm_hook={hook.value!r}."
             )
             raise ValueError(msg)
-        if not isinstance(self.comm_state_option, Mapping):
-            msg = (
-                f"{owner}: comm_state_option must be a mapping; got "
-                f"{summary(self.comm_state_option)} ({type_name(self.comm_state_option)})."
-            )
-            raise TypeError(msg)
+        check_type(
+            owner,
+            "comm_state_option",
+            self.comm_state_option,
+            Mapping,
+            what="a mapping",
+        )
         options = dict(self.comm_state_option)
         if options and hook not in _POWER_SGD_HOOKS:
             msg = (
@@ -208,17 +194,13 @@ def _check_power_sgd_options(owner: str, options: Mapping[str, Any]) -> None:
             raise ValueError(msg)
         ok = {"int": is_int, "real": is_real, "bool": is_bool}[kind](value)
         if not ok or (kind != "bool" and value < 0):
-            msg = (
-                f"{owner}: comm_state_option[{key!r}] must be "
-                f"{'a bool' if kind == 'bool' else 'a number >= 0'}; got {summary(value)}."
-            )
-            raise ValueError(msg)
-    if options.get("matrix_approximation_rank", 1) < 1:
-        msg = (
-            f"{owner}: comm_state_option['matrix_approximation_rank'] must be >= 1; "
-            f"got {summary(options['matrix_approximation_rank'])}."
+            what = "a bool" if kind == "bool" else "a number >= 0"
+            fail_value(owner, f"comm_state_option[{key!r}]", value, what)
+    rank = options.get("matrix_approximation_rank", 1)
+    if rank < 1:
+        fail_value(
+            owner, "comm_state_option['matrix_approximation_rank']", rank, ">= 1"
         )
-        raise ValueError(msg)
     start = options.get("start_powerSGD_iter", 1000)
     feedback = options.get("use_error_feedback", True) or options.get(
         "warm_start", True
@@ -243,31 +225,19 @@ class GradScalerKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         owner = "GradScalerKwargs"
-        if not is_real(self.init_scale) or not (
-            math.isfinite(self.init_scale) and self.init_scale > 0
-        ):
-            msg = f"{owner}: init_scale must be a finite number > 0; got {summary(self.init_scale)}."
-            raise ValueError(msg)
-        if not is_real(self.growth_factor) or not (
-            math.isfinite(self.growth_factor) and self.growth_factor > 1.0
-        ):
-            msg = (
-                f"{owner}: growth_factor must be > 1.0; got {summary(self.growth_factor)}. "
-                "Use e.g. 2.0."
-            )
-            raise ValueError(msg)
-        if not is_real(self.backoff_factor) or not 0.0 < self.backoff_factor < 1.0:
-            msg = (
-                f"{owner}: backoff_factor must be in (0, 1); got "
-                f"{summary(self.backoff_factor)}. Use e.g. 0.5."
-            )
-            raise ValueError(msg)
+        scale, growth, backoff = (
+            self.init_scale,
+            self.growth_factor,
+            self.backoff_factor,
+        )
+        if not is_real(scale) or not (math.isfinite(scale) and scale > 0):
+            fail_value(owner, "init_scale", scale, "a finite number > 0")
+        if not is_real(growth) or not (math.isfinite(growth) and growth > 1.0):
+            fail_value(owner, "growth_factor", growth, "> 1.0", "Use e.g. 2.0.")
+        if not is_real(backoff) or not 0.0 < backoff < 1.0:
+            fail_value(owner, "backoff_factor", backoff, "in (0, 1)", "Use e.g. 0.5.")
         if not is_int(self.growth_interval) or self.growth_interval < 1:
-            msg = (
-                f"{owner}: growth_interval must be an int >= 1; got "
-                f"{summary(self.growth_interval)}."
-            )
-            raise ValueError(msg)
+            fail_value(owner, "growth_interval", self.growth_interval, "an int >= 1")
         check_bool(owner, "enabled", self.enabled)
 
 
@@ -287,21 +257,20 @@ class InitProcessGroupKwargs(KwargsHandler):
     def __post_init__(self) -> None:
         owner = "InitProcessGroupKwargs"
         for name in ("backend", "init_method"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                msg = f"{owner}: {name} must be a str or None; got {summary(value)} ({type_name(value)})."
-                raise TypeError(msg)
+            value = check_type(owner, name, getattr(self, name), str, optional=True)
             if value == "":
                 msg = f"{owner}: {name} must not be empty; pass None for the default."
                 raise ValueError(msg)
-        if self.timeout is not None:
-            if not isinstance(self.timeout, timedelta):
-                msg = (
-                    f"{owner}: timeout must be a datetime.timedelta or None; got "
-                    f"{summary(self.timeout)} ({type_name(self.timeout)}). Use e.g. "
-                    "timedelta(seconds=600)."
-                )
-                raise TypeError(msg)
-            if self.timeout <= timedelta(0):
-                msg = f"{owner}: timeout must be positive; got {summary(self.timeout)}."
-                raise ValueError(msg)
+        hint = "Use e.g. timedelta(seconds=600)."
+        what = "a datetime.timedelta or None"
+        timeout = check_type(
+            owner,
+            "timeout",
+            self.timeout,
+            timedelta,
+            what=what,
+            hint=hint,
+            optional=True,
+        )
+        if timeout is not None and timeout <= timedelta(0):
+            fail_value(owner, "timeout", timeout, "positive")

@@ -20,9 +20,10 @@ import torch
 import torch.profiler
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import is_int
-from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel.kwargs._base import KwargsHandler
 
 __all__ = [
@@ -103,11 +104,8 @@ class ProfileKwargs(KwargsHandler):
             if isinstance(self.activities, str) or not isinstance(
                 self.activities, Sequence
             ):
-                msg = (
-                    f"{owner}: activities must be a sequence of names such as "
-                    f"['cpu']; got {summary(self.activities)}."
-                )
-                raise TypeError(msg)
+                what = "a sequence of names such as ['cpu']"
+                fail_type(owner, "activities", self.activities, what)
             valid = ", ".join(repr(a) for a in PROFILER_ACTIVITIES)
             for activity in self.activities:
                 if activity not in PROFILER_ACTIVITIES:
@@ -119,8 +117,7 @@ class ProfileKwargs(KwargsHandler):
                 self, "schedule_option", _checked_schedule(owner, self.schedule_option)
             )
         if self.on_trace_ready is not None and not callable(self.on_trace_ready):
-            msg = f"{owner}: on_trace_ready must be callable; got {summary(self.on_trace_ready)}."
-            raise TypeError(msg)
+            fail_type(owner, "on_trace_ready", self.on_trace_ready, "callable")
         for name in (
             "record_shapes",
             "profile_memory",
@@ -129,13 +126,15 @@ class ProfileKwargs(KwargsHandler):
             "with_modules",
         ):
             check_bool(owner, name, getattr(self, name))
-        trace_dir = self.output_trace_dir
-        if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
-            msg = (
-                f"{owner}: output_trace_dir must be a path (str or os.PathLike); got "
-                f"{summary(trace_dir)} ({type_name(trace_dir)})."
-            )
-            raise TypeError(msg)
+        what = "a path (str or os.PathLike)"
+        check_type(
+            owner,
+            "output_trace_dir",
+            self.output_trace_dir,
+            (str, os.PathLike),
+            what=what,
+            optional=True,
+        )
 
     def build(self) -> torch.profiler.profile:
         """Return an unstarted ``torch.profiler.profile`` configured by this record.
@@ -166,9 +165,7 @@ class ProfileKwargs(KwargsHandler):
 
 
 def _checked_schedule(owner: str, option: Mapping[str, int]) -> dict[str, int]:
-    if not isinstance(option, Mapping):
-        msg = f"{owner}: schedule_option must be a mapping; got {summary(option)}."
-        raise TypeError(msg)
+    check_type(owner, "schedule_option", option, Mapping, what="a mapping")
     unknown = [k for k in option if k not in SCHEDULE_KEYS]
     if unknown:
         msg = (
@@ -185,11 +182,7 @@ def _checked_schedule(owner: str, option: Mapping[str, int]) -> dict[str, int]:
         raise ValueError(msg)
     for key, value in option.items():
         if not is_int(value) or value < 0:
-            msg = f"{owner}: schedule_option[{key!r}] must be an int >= 0; got {summary(value)}."
-            raise ValueError(msg)
+            fail_value(owner, f"schedule_option[{key!r}]", value, "an int >= 0")
     if option["active"] < 1:
-        msg = (
-            f"{owner}: schedule_option['active'] must be >= 1; got {option['active']}."
-        )
-        raise ValueError(msg)
+        fail_value(owner, "schedule_option['active']", option["active"], ">= 1")
     return dict(option)
