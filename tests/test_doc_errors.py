@@ -505,7 +505,7 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         fa.context_from_env({"WORLD_SIZE": "2", "RANK": "x", "LOCAL_RANK": "0"})
     ),
     "ValueError: context_from_env: mixed_precision must be one of 'no', 'fp16', "
-    "'bf16'; got 'fp8' (fp8 is not supported).": lambda _: fa.context_from_env(
+    "'bf16'; got 'fp8'. fp8 is not supported.": lambda _: fa.context_from_env(
         {},
         mixed_precision="fp8",  # type: ignore[arg-type]
     ),
@@ -605,7 +605,9 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         fa.shard_loader(ONE, _loader()), {"epoch": 0}
     ),
     "TypeError: iter_batches: loader must be a ShardedLoader from "
-    "shard_loader(ctx, dataloader); got DataLoader.": lambda _: _first(_loader()),
+    "shard_loader(ctx, dataloader); got <...DataLoader object ...> (DataLoader).": (
+        lambda _: _first(_loader())
+    ),
     "TypeError: ShardedLoader.__len__: the ... has no len(), ...": lambda _: len(
         fa.shard_loader(ONE, DataLoader(_Stream(), batch_size=2))
     ),

@@ -24,12 +24,13 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-from funcaccel._checks import summary
-from funcaccel._typing import MIXED_PRECISION_MODES
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._typing import MixedPrecision
 from funcaccel.context._env import CollectiveTimeout
 from funcaccel.context._env import check_collective_timeout
 from funcaccel.context._env import check_mixed_precision
+from funcaccel.context._env import check_mode
 from funcaccel.context._env import env_int
 from funcaccel.context._env import rendezvous_init_method
 from funcaccel.context._group import end_process_group
@@ -102,13 +103,9 @@ class DistributedContext:
     def __post_init__(self) -> None:
         owner = "DistributedContext"
         for name in ("num_processes", "process_index", "local_process_index"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
-                raise TypeError(msg)
+            check_type(owner, name, getattr(self, name), int)
         if self.num_processes < 1:
-            msg = f"{owner}: num_processes must be >= 1; got {self.num_processes}."
-            raise ValueError(msg)
+            fail_value(owner, "num_processes", self.num_processes, ">= 1")
         if not 0 <= self.process_index < self.num_processes:
             msg = (
                 f"{owner}: process_index ({self.process_index}) must be in "
@@ -116,35 +113,14 @@ class DistributedContext:
             )
             raise ValueError(msg)
         if self.local_process_index < 0:
-            msg = (
-                f"{owner}: local_process_index must be >= 0; got "
-                f"{self.local_process_index}."
-            )
-            raise ValueError(msg)
-        if not isinstance(self.device, torch.device):
-            msg = (
-                f"{owner}: device must be a torch.device; got {summary(self.device)} "
-                f"({type(self.device).__name__}). Use e.g. torch.device('cpu')."
-            )
-            raise TypeError(msg)
-        if not isinstance(self.distributed_type, DistributedType):
-            msg = (
-                f"{owner}: distributed_type must be a DistributedType; got "
-                f"{self.distributed_type!r}."
-            )
-            raise TypeError(msg)
-        if self.mixed_precision not in MIXED_PRECISION_MODES:
-            msg = (
-                f"{owner}: mixed_precision must be one of 'no', 'fp16', 'bf16'; got "
-                f"{summary(self.mixed_precision)}"
-                f"{' (fp8 is not supported)' if str(self.mixed_precision) == 'fp8' else ''}."
-            )
-            raise ValueError(msg)
-        if self.backend is not None and not isinstance(self.backend, str):
-            msg = (
-                f"{owner}: backend must be a str or None; got {summary(self.backend)}."
-            )
-            raise TypeError(msg)
+            fail_value(owner, "local_process_index", self.local_process_index, ">= 0")
+        hint = "Use e.g. torch.device('cpu')."
+        check_type(
+            owner, "device", self.device, torch.device, what="a torch.device", hint=hint
+        )
+        check_type(owner, "distributed_type", self.distributed_type, DistributedType)
+        check_mode(owner, self.mixed_precision)
+        check_type(owner, "backend", self.backend, str, optional=True)
         _check_type_consistency(self)
         timeout = check_collective_timeout(owner, self.collective_timeout)
         object.__setattr__(self, "collective_timeout", timeout)
@@ -280,11 +256,8 @@ def context_from_env(
     if "LOCAL_WORLD_SIZE" in environ:
         local_world = env_int(environ, "LOCAL_WORLD_SIZE")
         if not 0 <= local_rank < local_world:
-            msg = (
-                f"context_from_env: LOCAL_RANK ({local_rank}) must be in "
-                f"[0, LOCAL_WORLD_SIZE={local_world})."
-            )
-            raise ValueError(msg)
+            what = f"in [0, LOCAL_WORLD_SIZE={local_world})"
+            fail_value("context_from_env", "LOCAL_RANK", local_rank, what)
     if use_cuda:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         kind = DistributedType.MULTI_GPU
@@ -413,10 +386,5 @@ def close_context(ctx: DistributedContext) -> None:
 
 def check_context(ctx: object, caller: str) -> DistributedContext:
     """Return ``ctx``, or raise ``TypeError`` naming ``caller`` if it is not a context."""
-    if not isinstance(ctx, DistributedContext):
-        msg = (
-            f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} "
-            f"({type(ctx).__name__}). Build one with build_context()."
-        )
-        raise TypeError(msg)
-    return ctx
+    hint = "Build one with build_context()."
+    return check_type(caller, "ctx", ctx, DistributedContext, hint=hint)

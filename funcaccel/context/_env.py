@@ -22,8 +22,10 @@ from typing import TypeAlias
 
 import torch
 
+from funcaccel._checks import check_choice
 from funcaccel._checks import check_duration
-from funcaccel._checks import summary
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._typing import MIXED_PRECISION_MODES
 from funcaccel.kwargs import InitProcessGroupKwargs
 
@@ -31,6 +33,7 @@ __all__ = [
     "CollectiveTimeout",
     "check_collective_timeout",
     "check_mixed_precision",
+    "check_mode",
     "env_int",
     "rendezvous_init_method",
 ]
@@ -48,20 +51,15 @@ def check_collective_timeout(caller: str, value: object) -> timedelta | str | No
     """
     if value == "off" and isinstance(value, str):
         return "off"
+    name = "collective_timeout"
     if isinstance(value, str):
-        msg = (
-            f"{caller}: collective_timeout must be a datetime.timedelta, a number "
-            f"of seconds, None (the process group's timeout) or 'off'; got "
-            f"{summary(value)} (str)."
-        )
-        raise TypeError(msg)
+        what = "a datetime.timedelta, a number of seconds, None (the process group's timeout) or 'off'"
+        fail_type(caller, name, value, what)
     if isinstance(value, float) and not math.isfinite(value):
-        msg = (
-            f"{caller}: collective_timeout must be a finite number of seconds; got "
-            f"{value!r}. Pass 'off' to turn the check off, or None for the process "
-            "group's timeout."
+        hint = (
+            "Pass 'off' to turn the check off, or None for the process group's timeout."
         )
-        raise ValueError(msg)
+        fail_value(caller, name, value, "a finite number of seconds", hint)
     return check_duration(caller, "collective_timeout", value)
 
 
@@ -80,14 +78,14 @@ def env_int(environ: Mapping[str, str], name: str) -> int:
         raise ValueError(msg) from None
 
 
+def check_mode(caller: str, value: object) -> None:
+    """Check that ``value`` is one of the mixed-precision modes ``"no"``, ``"fp16"``, ``"bf16"``."""
+    hint = "fp8 is not supported." if value == "fp8" else ""
+    check_choice(caller, "mixed_precision", value, MIXED_PRECISION_MODES, hint=hint)
+
+
 def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
-    if mixed_precision not in MIXED_PRECISION_MODES:
-        msg = (
-            f"context_from_env: mixed_precision must be one of 'no', 'fp16', 'bf16'; "
-            f"got {summary(mixed_precision)}"
-            f"{' (fp8 is not supported)' if mixed_precision == 'fp8' else ''}."
-        )
-        raise ValueError(msg)
+    check_mode("context_from_env", mixed_precision)
     if mixed_precision == "bf16" and device.type == "cuda":
         if not torch.cuda.is_bf16_supported():
             msg = (
