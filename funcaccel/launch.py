@@ -40,6 +40,11 @@ import torch.distributed as dist
 from typing_extensions import TypeVarTuple
 from typing_extensions import Unpack
 
+from funcaccel._checks import check_choice
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel.context import end_process_group
 from funcaccel.context import start_process_group
 
@@ -84,34 +89,17 @@ def _check_arguments(
     fn: object, num_processes: object, timeout_s: object, start_method: object
 ) -> None:
     if not callable(fn):
-        msg = f"launch: fn must be callable; got {fn!r} ({type(fn).__name__})."
-        raise TypeError(msg)
-    if not isinstance(num_processes, int) or isinstance(num_processes, bool):
-        msg = (
-            f"launch: num_processes must be an int; got {num_processes!r} "
-            f"({type(num_processes).__name__})."
-        )
-        raise TypeError(msg)
-    if num_processes < 1:
-        msg = f"launch: num_processes must be >= 1; got {num_processes}."
-        raise ValueError(msg)
-    if timeout_s is not None:
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
-            msg = (
-                f"launch: timeout_s must be a number of seconds or None; got "
-                f"{timeout_s!r} ({type(timeout_s).__name__})."
-            )
-            raise TypeError(msg)
-        if not timeout_s > 0 or math.isnan(timeout_s):
-            msg = f"launch: timeout_s must be > 0 (or None for no limit); got {timeout_s}."
-            raise ValueError(msg)
-    if start_method is not None and start_method not in _START_METHODS:
-        msg = (
-            f"launch: start_method must be None, 'spawn', 'fork' or 'forkserver'; "
-            f"got {start_method!r}."
-        )
-        raise ValueError(msg)
+        fail_type("launch", "fn", fn, "callable")
+    check_int("launch", "num_processes", num_processes, 1)
+    what = "a number of seconds or None"
+    timeout: float | None = check_type(
+        "launch", "timeout_s", timeout_s, (int, float), what=what, optional=True
+    )
+    if timeout is not None and (not timeout > 0 or math.isnan(timeout)):
+        fail_value("launch", "timeout_s", timeout, "> 0 (or None for no limit)")
     if start_method is not None:
+        hint = "Pass None to let launch pick one."
+        check_choice("launch", "start_method", start_method, _START_METHODS, hint=hint)
         available = multiprocessing.get_all_start_methods()
         if start_method not in available:
             msg = (

@@ -200,14 +200,15 @@ def test_pick_start_method_spawns_importable_functions_and_forks_the_rest() -> N
         (
             {"num_processes": 0},
             ValueError,
-            r"launch: num_processes must be >= 1; got 0",
+            r"launch: num_processes \(0\) must be >= 1",
         ),
         ({"num_processes": 2.0}, TypeError, r"launch: num_processes must be an int"),
         ({"num_processes": 2, "timeout_s": 0}, ValueError, r"timeout_s must be > 0"),
         (
             {"num_processes": 2, "start_method": "thread"},
             ValueError,
-            r"start_method must be None, 'spawn', 'fork' or 'forkserver'; got 'thread'",
+            r"start_method must be one of 'spawn', 'fork', 'forkserver'; got 'thread'\. "
+            r"Pass None",
         ),
     ],
 )
