@@ -7,7 +7,9 @@ process group: ``should_sync`` (does the next micro-step close the window?),
 ``window_grad_factor`` (the ``k / m`` correction of a short last window),
 ``advance_grad_state`` (the state after it) and ``check_num_items`` (the item count
 of a token-weighted micro-batch as an ``int``). ``funcaccel.accumulate`` re-exports
-them next to ``sync_ctx`` and ``accumulate_step``, which do the work.
+them next to ``sync_ctx`` and ``accumulate_step``, which do the work. The two rules
+themselves are stated once, without argument checks, in ``is_window_end`` and
+``is_sync_skipped``, which the stepping code asks on every micro-step.
 
 >>> grad = GradState(accumulation_steps=2)
 >>> should_sync(grad), should_sync(grad, end_of_dataloader=True)
@@ -315,9 +317,22 @@ def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
     """
     check_grad_state(grad, "should_sync")
     check_bool("should_sync", "end_of_dataloader", end_of_dataloader)
-    if grad.micro_step + 1 == grad.accumulation_steps:
-        return True
-    return grad.sync_with_dataloader and end_of_dataloader
+    return is_window_end(grad, end_of_dataloader)
+
+
+def is_window_end(grad: GradState, end_of_dataloader: bool) -> bool:
+    """Return whether the next micro-step closes the window, for checked arguments.
+
+    The one statement of the rule: ``should_sync`` checks its arguments and asks
+    this; ``accumulate_step``, ``sync_ctx`` and the DeepSpeed step ask it directly
+    once their arguments are checked (it runs on every micro-step).
+
+    >>> is_window_end(GradState(accumulation_steps=2), True)
+    True
+    """
+    return grad.micro_step + 1 == grad.accumulation_steps or (
+        grad.sync_with_dataloader and end_of_dataloader
+    )
 
 
 def should_skip_grad_sync(
@@ -337,9 +352,20 @@ def should_skip_grad_sync(
     >>> should_skip_grad_sync(DistributedContext(), GradState(accumulation_steps=2))
     False
     """
-    if ctx.num_processes == 1 or grad.sync_each_batch:
-        return False
-    return not should_sync(grad, end_of_dataloader=end_of_dataloader)
+    synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
+    return is_sync_skipped(ctx, grad, synced)
+
+
+def is_sync_skipped(ctx: DistributedContext, grad: GradState, synced: bool) -> bool:
+    """Return whether a micro-step runs in the no-sync context, for checked arguments.
+
+    ``synced`` is ``is_window_end``'s answer for the micro-step. The one statement
+    of the rule that ``should_skip_grad_sync`` checks its arguments for.
+
+    >>> is_sync_skipped(DistributedContext(), GradState(accumulation_steps=2), False)
+    False
+    """
+    return not synced and ctx.num_processes > 1 and not grad.sync_each_batch
 
 
 def window_grad_factor(grad: GradState, *, end_of_dataloader: bool = False) -> float:

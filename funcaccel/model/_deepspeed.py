@@ -39,6 +39,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
 from funcaccel.grad_state import check_num_items
+from funcaccel.grad_state import is_window_end
 from funcaccel.grad_state import next_grad_state
 from funcaccel.model._deepspeed_options import DeepSpeedOptions
 from funcaccel.model._deepspeed_options import merged_config
@@ -234,23 +235,21 @@ def deepspeed_step(
     """Run ``accumulate_step`` for a DeepSpeed engine (the same rules as DDP's)."""
     _check_engine_step(grad, engine, optimizer, scaler, autocast_kwargs, max_grad_norm)
     k = grad.accumulation_steps
-    synced = grad.micro_step + 1 == k or (
-        grad.sync_with_dataloader and end_of_dataloader
-    )
+    synced = is_window_end(grad, end_of_dataloader)
     items = None if num_items is None else check_num_items(num_items, "accumulate_step")
-    engine.set_gradient_accumulation_boundary(synced)
-    loss = loss_fn()
-    if not (
-        isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
-    ):
-        msg = (
-            "accumulate_step: loss_fn() must return a scalar loss tensor that "
-            f"requires grad; got {summary(loss)}."
-        )
-        raise ValueError(msg)
-    # A mean loss is divided by k (the engine's own steps); a summed, token-weighted
-    # loss is not divided until the window's item count is known.
-    engine.backward(loss, scale_wrt_gas=items is None)
+    with engine_boundary_ctx((engine,), synced):  # sync_ctx's context for engines
+        loss = loss_fn()
+        if not (
+            isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
+        ):
+            msg = (
+                "accumulate_step: loss_fn() must return a scalar loss tensor that "
+                f"requires grad; got {summary(loss)}."
+            )
+            raise ValueError(msg)
+        # A mean loss is divided by k (the engine's own steps); a summed,
+        # token-weighted loss is not divided until the window's item count is known.
+        engine.backward(loss, scale_wrt_gas=items is None)
     shown = loss.detach()
     if items is not None:
         shown = shown / items if items else shown
