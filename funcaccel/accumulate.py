@@ -24,9 +24,9 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from collections.abc import Iterator
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Final
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,8 @@ from funcaccel.grad_state import advance_grad_state
 from funcaccel.grad_state import check_grad_state
 from funcaccel.grad_state import check_num_items
 from funcaccel.grad_state import check_window_kind
+from funcaccel.grad_state import is_sync_skipped
+from funcaccel.grad_state import is_window_end
 from funcaccel.grad_state import next_grad_state
 from funcaccel.grad_state import should_skip_grad_sync
 from funcaccel.grad_state import should_sync
@@ -63,6 +65,7 @@ from funcaccel.model import check_optimizers_hold
 from funcaccel.model import deepspeed_step
 from funcaccel.model import engine_boundary_ctx
 from funcaccel.model import inside_compile
+from funcaccel.sync import no_sync_models
 
 __all__ = [
     "GradState",
@@ -73,22 +76,6 @@ __all__ = [
     "sync_ctx",
     "window_grad_factor",
 ]
-
-
-@contextlib.contextmanager
-def _no_sync(models: tuple[nn.Module, ...], caller: str) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for wrapped in models:
-            model = inside_compile(wrapped)
-            if isinstance(model, DistributedDataParallel):
-                if model.static_graph:
-                    _refuse_static_graph(caller)
-                stack.enter_context(model.no_sync())
-            elif is_fsdp_module(model):
-                # Registered before the switch, so it runs on error too.
-                stack.callback(model.set_requires_gradient_sync, True)
-                model.set_requires_gradient_sync(False)
-        yield
 
 
 def sync_ctx(
@@ -126,17 +113,7 @@ def sync_ctx(
         )
     if not should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
         return contextlib.nullcontext()
-    return _no_sync(modules, "sync_ctx")
-
-
-def _refuse_static_graph(caller: str) -> None:
-    msg = (
-        f"{caller}: the model's DDP was built with static_graph=True, which "
-        "cannot skip the gradient all-reduce of an accumulation micro-step (torch "
-        "fails inside no_sync()); build it with static_graph=False, or all-reduce on "
-        "every micro-step with GradState(..., sync_each_batch=True)."
-    )
-    raise ValueError(msg)
+    return no_sync_models(modules, "sync_ctx")
 
 
 def _check_loss(loss: object) -> None:
@@ -158,6 +135,9 @@ def _check_loss(loss: object) -> None:
             "it from the model's output, outside torch.no_grad()."
         )
         raise ValueError(msg)
+
+
+_CALLER: Final = "accumulate_step"
 
 
 def _check_step_args(
@@ -359,101 +339,6 @@ def accumulate_step(
             autocast_kwargs=autocast_kwargs,
             num_items=num_items,
         )
-    if num_items is not None:
-        return _token_weighted_step(
-            ctx,
-            grad,
-            model,
-            optimizer,
-            loss_fn,
-            num_items,
-            end_of_dataloader,
-            scaler,
-            max_grad_norm,
-            autocast_kwargs,
-        )
-    if not (  # the usual arguments in one expression (this runs per micro-step)
-        isinstance(ctx, DistributedContext)
-        and isinstance(grad, GradState)
-        and grad.window_items is None
-        and type(end_of_dataloader) is bool
-        and scaler is None
-        and max_grad_norm is None
-        and autocast_kwargs is None
-        and ctx.mixed_precision != "fp16"
-        and callable(loss_fn)
-    ):
-        _check_step_args(
-            ctx,
-            grad,
-            loss_fn,
-            end_of_dataloader,
-            scaler,
-            max_grad_norm,
-            autocast_kwargs,
-            None,
-        )
-    # Fast paths for the usual single model and optimizer (this runs per micro-step).
-    if isinstance(model, nn.Module):
-        models: tuple[nn.Module, ...] = (model,)
-    else:
-        models = as_tuple_of(model, nn.Module, caller="accumulate_step", name="model")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        optimizers: tuple[torch.optim.Optimizer, ...] = (optimizer,)
-    else:
-        optimizers = as_tuple_of(
-            optimizer, torch.optim.Optimizer, caller="accumulate_step", name="optimizer"
-        )
-    k = grad.accumulation_steps
-    synced = grad.micro_step + 1 == k or (
-        grad.sync_with_dataloader and end_of_dataloader
-    )
-    if ctx.num_processes > 1 and not dist.is_initialized():
-        # The full check (world size and rank) is for wrap_model, at set-up; per
-        # micro-step only the group's presence is checked, which costs nothing.
-        require_process_group(ctx, "accumulate_step")
-    if ctx.num_processes > 1 and not synced and not grad.sync_each_batch:
-        single = models[0] if len(models) == 1 else None
-        if isinstance(
-            single, DistributedDataParallel
-        ):  # the usual case, entered directly
-            if single.static_graph:
-                _refuse_static_graph("accumulate_step")
-            with single.no_sync():
-                loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
-        else:
-            with _no_sync(models, "accumulate_step"):  # should_skip_grad_sync
-                loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
-    else:  # no null context: entering one costs more than the rest of the checks
-        loss = _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
-    skipped = False
-    if synced:
-        if ctx.num_processes > 1:
-            # Once per window: an optimizer built before FSDP2 replaced the
-            # parameters would step nothing, silently.
-            check_optimizers_hold(models, optimizers, "accumulate_step")
-        m = grad.micro_step + 1
-        if m < k:
-            rescale_grads_(optimizers, k / m)
-        skipped = _clip_and_step(optimizers, max_grad_norm, scaler)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-    return loss.detach(), next_grad_state(grad, synced, end_of_dataloader, skipped)
-
-
-def _token_weighted_step(
-    ctx: DistributedContext,
-    grad: GradState,
-    model: nn.Module | Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    loss_fn: Callable[[], torch.Tensor],
-    num_items: int | torch.Tensor,
-    end_of_dataloader: bool,
-    scaler: torch.amp.GradScaler | None,
-    max_grad_norm: float | None,
-    autocast_kwargs: AutocastKwargs | None,
-) -> tuple[torch.Tensor, GradState]:
-    caller = "accumulate_step"
     _check_step_args(
         ctx,
         grad,
@@ -464,52 +349,140 @@ def _token_weighted_step(
         autocast_kwargs,
         num_items,
     )
-    items = check_num_items(num_items, caller)
-    models = as_tuple_of(model, nn.Module, caller=caller, name="model")
+    models = as_tuple_of(model, nn.Module, caller=_CALLER, name="model")
     optimizers = as_tuple_of(
-        optimizer, torch.optim.Optimizer, caller=caller, name="optimizer"
+        optimizer, torch.optim.Optimizer, caller=_CALLER, name="optimizer"
     )
+    if num_items is None:
+        return _mean_step(
+            ctx,
+            grad,
+            models,
+            optimizers,
+            loss_fn,
+            end_of_dataloader,
+            scaler,
+            max_grad_norm,
+            autocast_kwargs,
+        )
+    return _token_weighted_step(
+        ctx,
+        grad,
+        models,
+        optimizers,
+        loss_fn,
+        end_of_dataloader,
+        scaler,
+        max_grad_norm,
+        autocast_kwargs,
+        num_items,
+    )
+
+
+def _mean_step(
+    ctx: DistributedContext,
+    grad: GradState,
+    models: tuple[nn.Module, ...],
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    loss_fn: Callable[[], torch.Tensor],
+    end_of_dataloader: bool,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    autocast_kwargs: AutocastKwargs | None,
+) -> tuple[torch.Tensor, GradState]:
+    """Run ``accumulate_step`` for mean losses, its arguments checked."""
+    if ctx.num_processes > 1 and not dist.is_initialized():
+        # The full check (world size and rank) is for wrap_model, at set-up; per
+        # micro-step only the group's presence is checked, which costs nothing.
+        require_process_group(ctx, _CALLER)
+    k = grad.accumulation_steps
+    synced = is_window_end(grad, end_of_dataloader)
+    loss = _micro_batch(ctx, grad, models, synced, loss_fn, k, scaler, autocast_kwargs)
+    skipped = False
+    if synced:
+        # The window holds m micro-batches, each backward of loss / k: k / m makes
+        # the mean over m (a short last window has m < k).
+        factor = k / (grad.micro_step + 1)
+        skipped = _close_window(ctx, models, optimizers, factor, max_grad_norm, scaler)
+    return loss.detach(), next_grad_state(grad, synced, end_of_dataloader, skipped)
+
+
+def _token_weighted_step(
+    ctx: DistributedContext,
+    grad: GradState,
+    models: tuple[nn.Module, ...],
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    loss_fn: Callable[[], torch.Tensor],
+    end_of_dataloader: bool,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    autocast_kwargs: AutocastKwargs | None,
+    num_items: int | torch.Tensor,
+) -> tuple[torch.Tensor, GradState]:
+    """Run ``accumulate_step`` with ``num_items``, its other arguments checked."""
+    items = check_num_items(num_items, _CALLER)
     p = ctx.num_processes
-    synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if p > 1:
-        require_process_group(ctx, caller)
+        require_process_group(ctx, _CALLER)
         if grad.micro_step == 0:  # once per window, before anything accumulates
             _require_averaged_grads(ctx, models)
+    synced = is_window_end(grad, end_of_dataloader)
     # Backward of the summed loss itself (k=1): nothing is divided until the
     # window's total is known.
-    if should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
-        with _no_sync(models, caller):
-            loss = _forward_backward(ctx, loss_fn, 1, scaler, autocast_kwargs)
-    else:
-        loss = _forward_backward(ctx, loss_fn, 1, scaler, autocast_kwargs)
+    loss = _micro_batch(ctx, grad, models, synced, loss_fn, 1, scaler, autocast_kwargs)
     shown = loss.detach() / items if items else loss.detach()
     local = (grad.window_items or 0) + items
     if not synced:
         return shown, next_grad_state(grad, False, end_of_dataloader, False, local)
-    if p > 1:
-        # Once per window: an optimizer built before FSDP2 or tensor parallelism
-        # replaced the parameters would step nothing, silently.
-        check_optimizers_hold(models, optimizers, caller)
-    (total,) = all_reduce_ints(ctx, [local], caller=caller)
-    skipped = total == 0  # nothing to average: no update rather than 0/0
-    if not skipped:
-        # Each rank now holds (1/p) * sum over ranks of its summed-loss gradients
-        # (DDP all-reduces the mean; FSDP2 reduce-scatters the mean of each shard;
-        # one process holds the sum itself, p = 1), so p / total gives the sum over
-        # ranks divided by the window's item count.
-        rescale_grads_(optimizers, p / total)
-        skipped = _clip_and_step(optimizers, max_grad_norm, scaler)
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
+    (total,) = all_reduce_ints(ctx, [local], caller=_CALLER)
+    if total == 0:  # nothing to average: no update rather than 0/0
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        return shown, next_grad_state(grad, True, end_of_dataloader, True)
+    # Each rank now holds (1/p) * sum over ranks of its summed-loss gradients
+    # (DDP all-reduces the mean; FSDP2 reduce-scatters the mean of each shard;
+    # one process holds the sum itself, p = 1), so p / total gives the sum over
+    # ranks divided by the window's item count.
+    skipped = _close_window(ctx, models, optimizers, p / total, max_grad_norm, scaler)
     return shown, next_grad_state(grad, True, end_of_dataloader, skipped)
 
 
-def _clip_and_step(
+def _micro_batch(
+    ctx: DistributedContext,
+    grad: GradState,
+    models: tuple[nn.Module, ...],
+    synced: bool,
+    loss_fn: Callable[[], torch.Tensor],
+    k: int,
+    scaler: torch.amp.GradScaler | None,
+    autocast_kwargs: AutocastKwargs | None,
+) -> torch.Tensor:
+    """Run forward and backward, in the no-sync context when the step skips sync."""
+    if is_sync_skipped(ctx, grad, synced):
+        with no_sync_models(models, _CALLER):
+            return _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+    # No null context otherwise: entering one costs more than the rest of the checks.
+    return _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+
+
+def _close_window(
+    ctx: DistributedContext,
+    models: tuple[nn.Module, ...],
     optimizers: tuple[torch.optim.Optimizer, ...],
+    factor: float,
     max_grad_norm: float | None,
     scaler: torch.amp.GradScaler | None,
 ) -> bool:
-    """Clip (unscaling first) when asked, then step; return whether the scaler skipped."""
+    """Scale the gradients by ``factor``, clip, step, zero; return whether skipped.
+
+    Changes the gradients, the optimizers and the scaler in place.
+    """
+    if ctx.num_processes > 1:
+        # Once per window: an optimizer built before FSDP2 or tensor parallelism
+        # replaced the parameters would step nothing, silently.
+        check_optimizers_hold(models, optimizers, _CALLER)
+    if factor != 1.0:
+        rescale_grads_(optimizers, factor)
     if max_grad_norm is not None:
         clip_grad_norm_(
             optimizer_parameters(optimizers),
@@ -517,7 +490,10 @@ def _clip_and_step(
             scaler=scaler,
             optimizer=optimizers,
         )
-    return optimizer_step(optimizers, scaler=scaler)
+    skipped = optimizer_step(optimizers, scaler=scaler)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return skipped
 
 
 def _require_averaged_grads(
