@@ -15,14 +15,15 @@ are handled here, where funcaccel starts and ends groups.
    default group exists (constructing ``DistributedDataParallel`` imports it,
    through ``torch._dynamo``), those defaults hold that group for the life of the
    interpreter: ``destroy_process_group`` then leaves it and its gloo threads
-   alive, and they are torn down during interpreter finalization instead. A gloo
-   worker thread that has run a collective keeps a copy of the caller's
-   thread-local state, which may hold Python objects (the profiler's callbacks,
-   for one); freeing it during finalization needs the GIL, which a thread can no
-   longer take then, and the thread is ended inside a destructor: the process
-   aborts with ``terminate called without an active exception`` after its work
-   is done. ``start_process_group`` imports that module before the group exists
-   (so its defaults stay ``None``: the default group at call time), and
+   alive until interpreter finalization: the group's destructor then runs
+   inside ``Py_FinalizeEx`` (the garbage collection
+   of module dictionaries frees those functions' defaults), and torch releases
+   the GIL around it. Any other thread that takes the GIL in that window is
+   ended by the interpreter (``pthread_exit``); one whose stack holds a C++
+   destructor then calls ``std::terminate``, and the process aborts after its
+   work is done with ``terminate called without an active exception``.
+   ``start_process_group`` imports that module before the group exists (so its
+   defaults stay ``None``: the default group at call time), and
    ``end_process_group`` resets defaults that still hold the group it destroys
    (a group started outside funcaccel), so the group and its threads end in
    ``destroy_process_group``, while Python is fully alive.
