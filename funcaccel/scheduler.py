@@ -32,7 +32,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
+from funcaccel._checks import type_name
 from funcaccel._typing import SupportsStep
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -42,12 +46,6 @@ from funcaccel.loader import ShardedLoader
 __all__ = ["maybe_step_scheduler", "scheduler_steps_due"]
 
 _CALLER: Final = "maybe_step_scheduler"
-
-
-def _check_flag(caller: str, name: str, value: object) -> None:
-    if type(value) is not bool:
-        msg = f"{caller}: {name} must be a bool; got {summary(value)} ({type(value).__name__})."
-        raise TypeError(msg)
 
 
 def scheduler_steps_due(
@@ -107,18 +105,13 @@ def _split_batches(
                 "already says whether it splits batches."
             )
             raise ValueError(msg)
-        _check_flag(caller, "split_batches", split_batches)
-        assert isinstance(split_batches, bool)
-        return split_batches
+        return check_bool(caller, "split_batches", split_batches)
     if loader is not None:
-        if not isinstance(loader, ShardedLoader):
-            msg = (
-                f"{caller}: loader must be the ShardedLoader shard_loader returned; "
-                f"got {summary(loader)} ({type(loader).__name__}). For a loader of "
-                "your own pass split_batches=True or False instead."
-            )
-            raise TypeError(msg)
-        return loader.split_batches
+        what = "the ShardedLoader shard_loader returned"
+        hint = "For a loader of your own pass split_batches=True or False instead."
+        return check_type(
+            caller, "loader", loader, ShardedLoader, what=what, hint=hint
+        ).split_batches
     if ctx.num_processes > 1 and step_with_optimizer:
         p = ctx.num_processes
         msg = (
@@ -139,13 +132,9 @@ def _check_args(
     caller: str,
 ) -> None:
     check_context(ctx, caller)
-    if not isinstance(grad, GradState):
-        msg = (
-            f"{caller}: grad must be the GradState accumulate_step returned; got "
-            f"{summary(grad)} ({type(grad).__name__})."
-        )
-        raise TypeError(msg)
-    _check_flag(caller, "step_with_optimizer", step_with_optimizer)
+    what = "the GradState accumulate_step returned"
+    check_type(caller, "grad", grad, GradState, what=what)
+    check_bool(caller, "step_with_optimizer", step_with_optimizer)
 
 
 def _due(
@@ -256,16 +245,12 @@ def maybe_step_scheduler(
 def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
     if isinstance(scheduler, Optimizer):
         msg = (
-            f"{_CALLER}: scheduler is an optimizer ({type(scheduler).__name__}), whose "
+            f"{_CALLER}: scheduler is an optimizer ({type_name(scheduler)}), whose "
             "step() would update the parameters; pass the LR scheduler built on it."
         )
         raise TypeError(msg)
     if not callable(getattr(scheduler, "step", None)):
-        msg = (
-            f"{_CALLER}: scheduler must have a step() method; got "
-            f"{summary(scheduler)} ({type(scheduler).__name__})."
-        )
-        raise TypeError(msg)
+        fail_type(_CALLER, "scheduler", scheduler, "an object with a step() method")
     if plateau and metrics is None:
         msg = (
             f"{_CALLER}: ReduceLROnPlateau steps on a metric but "
@@ -275,20 +260,18 @@ def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
     if not plateau and metrics is not None:
         msg = (
             f"{_CALLER}: metrics={summary(metrics)} is only used by "
-            f"ReduceLROnPlateau, not {type(scheduler).__name__}; drop metrics."
+            f"ReduceLROnPlateau, not {type_name(scheduler)}; drop metrics."
         )
         raise ValueError(msg)
 
 
 def _check_metrics(metrics: object) -> None:
     # ReduceLROnPlateau compares float(metrics) with its best value so far.
+    number = not isinstance(metrics, (str, bytes))
     try:
-        if isinstance(metrics, (str, bytes)):
-            raise TypeError
         float(metrics)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError):
-        msg = (
-            f"{_CALLER}: metrics must be a number or a one-element tensor for "
-            f"ReduceLROnPlateau to compare; got {summary(metrics)} ({type(metrics).__name__})."
-        )
-        raise TypeError(msg) from None
+        number = False
+    if not number:
+        what = "a number or a one-element tensor for ReduceLROnPlateau to compare"
+        fail_type(_CALLER, "metrics", metrics, what)

@@ -229,7 +229,10 @@ def test_any_object_with_step_is_stepped() -> None:
             self.calls += 1
 
     counter = Counter()
-    assert maybe_step_scheduler(rank_ctx(3, 2), counter, GradState(), split_batches=False) == 3
+    assert (
+        maybe_step_scheduler(rank_ctx(3, 2), counter, GradState(), split_batches=False)
+        == 3
+    )
     assert counter.calls == 3
 
 
@@ -241,7 +244,8 @@ def test_maybe_step_scheduler_rejects_bad_input() -> None:
     ):
         maybe_step_scheduler(ONE, scheduler, GradState(), metrics=0.5)
     with pytest.raises(
-        TypeError, match=r"maybe_step_scheduler: scheduler must have a step\(\) method"
+        TypeError,
+        match=r"maybe_step_scheduler: scheduler must be an object with a step\(\) method",
     ):
         maybe_step_scheduler(ONE, object(), GradState())  # type: ignore[arg-type]
     with pytest.raises(
@@ -275,7 +279,9 @@ def test_maybe_step_scheduler_rejects_bad_input() -> None:
 
 def _loader(ctx: DistributedContext, *, split_batches: bool) -> ShardedLoader:
     data = TensorDataset(torch.arange(12.0))
-    return shard_loader(ctx, DataLoader(data, batch_size=6), split_batches=split_batches)
+    return shard_loader(
+        ctx, DataLoader(data, batch_size=6), split_batches=split_batches
+    )
 
 
 @pytest.mark.parametrize(("p", "rank"), [(2, 0), (2, 1), (3, 0), (3, 2)])
@@ -311,9 +317,12 @@ def test_maybe_step_scheduler_refuses_to_guess_split_batches(p: int, rank: int) 
         scheduler_steps_due(ctx, GradState())
     loader = _loader(ctx, split_batches=True)
     with pytest.raises(
-        ValueError, match=r"maybe_step_scheduler: pass loader= or split_batches=, not both"
+        ValueError,
+        match=r"maybe_step_scheduler: pass loader= or split_batches=, not both",
     ):
-        maybe_step_scheduler(ctx, scheduler, GradState(), loader=loader, split_batches=True)
+        maybe_step_scheduler(
+            ctx, scheduler, GradState(), loader=loader, split_batches=True
+        )
     with pytest.raises(
         TypeError,
         match=r"maybe_step_scheduler: loader must be the ShardedLoader shard_loader "
@@ -322,7 +331,10 @@ def test_maybe_step_scheduler_refuses_to_guess_split_batches(p: int, rank: int) 
         maybe_step_scheduler(ctx, scheduler, GradState(), loader=list(range(100)))  # type: ignore[arg-type]
     assert scheduler._step_count == 1  # nothing stepped
     # Once per call, or one process: an update counts the same either way.
-    assert maybe_step_scheduler(ctx, scheduler, GradState(), step_with_optimizer=False) == 1
+    assert (
+        maybe_step_scheduler(ctx, scheduler, GradState(), step_with_optimizer=False)
+        == 1
+    )
     assert maybe_step_scheduler(ONE, scheduler, GradState()) == 1
 
 
