@@ -25,8 +25,8 @@ from typing import Final
 
 import torch.distributed as dist
 
-from funcaccel._checks import is_int
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.context import check_context
@@ -79,20 +79,14 @@ class ParallelMesh:
     def __post_init__(self) -> None:
         owner = "ParallelMesh"
         for name in (*MESH_DIM_NAMES, "rank"):
-            value = getattr(self, name)
-            if not is_int(value):
-                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
-                raise TypeError(msg)
+            check_type(owner, name, getattr(self, name), int)
         for name in MESH_DIM_NAMES:
             if getattr(self, name) < 1:
-                msg = f"{owner}: {name} must be >= 1; got {getattr(self, name)}."
-                raise ValueError(msg)
+                fail_value(owner, name, getattr(self, name), ">= 1")
         if not 0 <= self.rank < self.world_size:
-            msg = (
-                f"{owner}: rank ({self.rank}) must be in [0, {self.world_size}) for a "
-                f"mesh of shape {self.shape}; pass this process's global rank."
-            )
-            raise ValueError(msg)
+            what = f"in [0, {self.world_size}) for a mesh of shape {self.shape}"
+            hint = "Pass this process's global rank."
+            fail_value(owner, "rank", self.rank, what, hint)
 
     @classmethod
     def for_rank(
@@ -171,12 +165,9 @@ class ParallelMesh:
 def _resolve(sizes: dict[str, int], world: int) -> dict[str, int]:
     """Fill in a ``-1`` size and check the product (errors name ``build_mesh``)."""
     for name, value in sizes.items():
-        if not is_int(value):
-            msg = f"build_mesh: {name} must be an int; got {summary(value)} ({type(value).__name__})."
-            raise TypeError(msg)
+        check_type("build_mesh", name, value, int)
         if value < 1 and value != -1:
-            msg = f"build_mesh: {name} must be >= 1, or -1 for the rest; got {value}."
-            raise ValueError(msg)
+            fail_value("build_mesh", name, value, ">= 1, or -1 for the rest")
     rest = [name for name, value in sizes.items() if value == -1]
     if len(rest) > 1:
         msg = (
@@ -269,12 +260,8 @@ def check_mesh(ctx: DistributedContext, mesh: object, caller: str) -> ParallelMe
         TypeError: ``mesh`` is not a ``ParallelMesh``.
         ValueError: its world size or rank differ from ``ctx``'s.
     """
-    if not isinstance(mesh, ParallelMesh):
-        msg = (
-            f"{caller}: mesh must be a ParallelMesh (from build_mesh) or None; got "
-            f"{summary(mesh)} ({type(mesh).__name__})."
-        )
-        raise TypeError(msg)
+    what = "a ParallelMesh (from build_mesh) or None"
+    mesh = check_type(caller, "mesh", mesh, ParallelMesh, what=what)
     if (mesh.world_size, mesh.rank) != (ctx.num_processes, ctx.process_index):
         msg = (
             f"{caller}: mesh of shape {mesh.shape} is for rank {mesh.rank} of "

@@ -112,7 +112,7 @@ def test_build_mesh_refuses_sizes_that_do_not_make_the_world() -> None:
 
 
 def test_parallel_mesh_checks_its_fields() -> None:
-    with pytest.raises(ValueError, match=r"rank \(4\) must be in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\) .*; got 4\. Pass"):
         ParallelMesh.for_rank(4, dp_shard=2, tp=2)
     with pytest.raises(ValueError, match=r"dp_shard must be >= 1; got 0"):
         ParallelMesh(dp_shard=0)
