@@ -1,8 +1,8 @@
 """Count failed exits of the two-process example, run again and again.
 
 Runs ``examples/train_digits.py`` (tiny size, bf16 autocast, the profiler on) under
-``torchrun --standalone --nproc_per_node 2`` and, with ``--launch``, the same
-training through ``funcaccel.launch`` as well, ``--runs`` times each, and counts
+``torchrun --standalone --nproc_per_node 2`` and/or through ``funcaccel.launch``
+(``--modes``), ``--runs`` times each, and counts
 the runs whose exit status is not 0. A run that trained to the end and then died
 at interpreter exit counts as failed, as it does for a user's job. With
 ``--busy N``, N processes spin on the CPU meanwhile (a loaded machine makes exit
@@ -10,7 +10,7 @@ races likelier). The last lines give the counts and, for each failed run, its ex
 status and the last lines of its stderr.
 
     python benchmarks/stress_exit.py --runs 50 --busy 2
-    python benchmarks/stress_exit.py --runs 50 --launch
+    python benchmarks/stress_exit.py --runs 50 --modes torchrun launch
 """
 
 from __future__ import annotations
@@ -115,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50, help="runs per mode")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes")
-    parser.add_argument("--launch", action="store_true", help="also via launch()")
+    parser.add_argument(
+        "--modes", nargs="+", choices=["torchrun", "launch"], default=["torchrun"]
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="s per run")
     args = parser.parse_args(argv)
-    modes = ["torchrun", *(["launch"] if args.launch else [])]
+    modes: list[str] = args.modes
     outcomes: list[Outcome] = []
     with _busy(args.busy), tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
@@ -128,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = _run_once(mode, workdir, args.timeout)
                 outcomes.append(outcome)
                 mark = "ok" if outcome.status == 0 else f"FAILED ({outcome.status})"
-                print(f"{mode} run {i + 1}/{args.runs}: {mark} {outcome.seconds:.1f} s")
+                print(
+                    f"{mode} run {i + 1}/{args.runs}: {mark} {outcome.seconds:.1f} s",
+                    flush=True,
+                )
     print()
     for mode in modes:
         mine = [o for o in outcomes if o.mode == mode]
