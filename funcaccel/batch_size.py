@@ -23,6 +23,10 @@ from typing import TypeVar
 
 import torch
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
+from funcaccel._checks import type_name
 from funcaccel.collectives import exchange_codes
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -123,28 +127,14 @@ def find_executable_batch_size(
     caller = "find_executable_batch_size"
     check_context(ctx, caller)
     if not callable(fn):
-        msg = (
-            f"{caller}: fn must be callable as fn(batch_size); got {repr(fn)[:80]} "
-            f"({type(fn).__name__})."
-        )
-        raise TypeError(msg)
-    if not isinstance(starting_batch_size, int) or isinstance(
-        starting_batch_size, bool
-    ):
-        msg = (
-            f"{caller}: starting_batch_size must be an int; got "
-            f"{repr(starting_batch_size)[:80]} ({type(starting_batch_size).__name__})."
-        )
-        raise TypeError(msg)
+        fail_type(caller, "fn", fn, "callable as fn(batch_size)")
+    check_type(caller, "starting_batch_size", starting_batch_size, int)
     if starting_batch_size < 1:
-        msg = (
-            f"{caller}: starting_batch_size must be >= 1; got {starting_batch_size}. "
-            "Pass the largest batch size to try, e.g. 128."
-        )
-        raise ValueError(msg)
+        hint = "Pass the largest batch size to try, e.g. 128."
+        fail_value(caller, "starting_batch_size", starting_batch_size, ">= 1", hint)
     require_process_group(ctx, caller)
     _check_same_start(ctx, caller, starting_batch_size)
-    name = getattr(fn, "__qualname__", type(fn).__name__)
+    name = getattr(fn, "__qualname__", type_name(fn))
     batch_size = starting_batch_size
     while True:
         result, code, error, oom_text = _attempt(fn, batch_size)
