@@ -24,6 +24,9 @@ from typing import Final
 
 import torch
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 
@@ -82,32 +85,16 @@ def set_seed(
     3
     """
     check_context(ctx, "set_seed")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        shown = repr(seed)[:80]
-        msg = (
-            f"set_seed: seed must be an int; got {shown} ({type(seed).__name__}). "
-            "Pass an int such as 42."
-        )
-        raise TypeError(msg)
-    for name, value in (
-        ("device_specific", device_specific),
-        ("deterministic", deterministic),
-    ):
-        if type(value) is not bool:
-            msg = (
-                f"set_seed: {name} must be a bool; got {value!r} "
-                f"({type(value).__name__})."
-            )
-            raise TypeError(msg)
+    hint = "Pass an int such as 42."
+    check_type("set_seed", "seed", seed, numbers.Integral, what="an int", hint=hint)
+    check_bool("set_seed", "device_specific", device_specific)
+    check_bool("set_seed", "deterministic", deterministic)
     used = int(seed) + (ctx.process_index if device_specific else 0)
     if not SEED_MIN <= used <= SEED_MAX:
-        offset = f" (seed {int(seed)} + process_index {ctx.process_index})"
-        msg = (
-            f"set_seed: the seed must be in [-2**63, 2**64 - 1], the range torch "
-            f"accepts; got {used}{offset if device_specific else ''}. Pass a "
-            "smaller seed."
-        )
-        raise ValueError(msg)
+        rank = f" + process_index ({int(seed)} + {ctx.process_index})"
+        name = "seed" + (rank if device_specific else "")
+        what = "in [-2**63, 2**64 - 1], the range torch accepts"
+        fail_value("set_seed", name, used, what, "Pass a smaller seed.")
     random.seed(used)
     if importlib.util.find_spec("numpy") is not None:
         import numpy as np
