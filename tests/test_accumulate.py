@@ -46,6 +46,7 @@ from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
+from funcaccel.sync import no_sync
 from tests._dist import run_ranks
 from tests.fixtures import rank_ctx
 
@@ -1318,6 +1319,16 @@ def test_a_static_graph_ddp_is_refused_where_sync_would_be_skipped(
         with pytest.raises(ValueError, match=r"sync_ctx: .*sync_each_batch=True"):
             with sync_ctx(two, GradState(accumulation_steps=2), [ddp, nn.Linear(1, 1)]):
                 pass
+        # One no-sync context behind all three: the same refusal, word for word.
+        with pytest.raises(ValueError) as from_no_sync:
+            with no_sync(two, ddp):
+                pass
+        with pytest.raises(ValueError) as from_sync_ctx:
+            with sync_ctx(two, GradState(accumulation_steps=2), ddp):
+                pass
+        assert str(from_no_sync.value).removeprefix("no_sync") == str(
+            from_sync_ctx.value
+        ).removeprefix("sync_ctx")
         # All-reducing every micro-step is what static_graph allows.
         _, grad = accumulate_step(
             two,
