@@ -27,6 +27,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
@@ -36,18 +39,6 @@ from funcaccel.grad_state import GradState
 from funcaccel.model import inside_compile
 
 __all__ = ["LocalSGDState", "average_parameters_", "local_sgd_step", "should_average"]
-
-
-def _check_count(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        msg = (
-            f"LocalSGDState: {name} must be an int; got {value!r} "
-            f"({type(value).__name__})."
-        )
-        raise TypeError(msg)
-    if value < minimum:
-        msg = f"LocalSGDState: {name} must be >= {minimum}; got {value}."
-        raise ValueError(msg)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,11 +60,9 @@ class LocalSGDState:
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        _check_count("local_sgd_steps", self.local_sgd_steps, 1)
-        _check_count("steps", self.steps, 0)
-        if not isinstance(self.enabled, bool):
-            msg = f"LocalSGDState: enabled must be True or False; got {self.enabled!r}."
-            raise TypeError(msg)
+        check_int("LocalSGDState", "local_sgd_steps", self.local_sgd_steps, 1)
+        check_int("LocalSGDState", "steps", self.steps, 0)
+        check_bool("LocalSGDState", "enabled", self.enabled)
 
     def advanced(self) -> LocalSGDState:
         """Return the state one step later; ``self`` is unchanged."""
@@ -92,10 +81,9 @@ def should_average(state: LocalSGDState) -> bool:
 
 
 def _check_model(model: object, caller: str) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        msg = f"{caller}: model must be an nn.Module; got {type(model).__name__}."
-        raise TypeError(msg)
-    inner = inside_compile(model)
+    inner = inside_compile(
+        check_type(caller, "model", model, nn.Module, what="an nn.Module")
+    )
     if is_fsdp_module(inner):
         msg = (
             f"{caller}: model is an FSDP2 module, whose parameters are shards; local "
@@ -173,18 +161,9 @@ def local_sgd_step(
             its gradients were all-reduced and averaging changes nothing.
     """
     check_context(ctx, "local_sgd_step")
-    if not isinstance(state, LocalSGDState):
-        msg = (
-            f"local_sgd_step: state must be a LocalSGDState; got {state!r} "
-            f"({type(state).__name__}). Start with LocalSGDState(local_sgd_steps=k)."
-        )
-        raise TypeError(msg)
-    if grad is not None and not isinstance(grad, GradState):
-        msg = (
-            f"local_sgd_step: grad must be a GradState or None; got "
-            f"{type(grad).__name__}."
-        )
-        raise TypeError(msg)
+    hint = "Start with LocalSGDState(local_sgd_steps=k)."
+    check_type("local_sgd_step", "state", state, LocalSGDState, hint=hint)
+    check_type("local_sgd_step", "grad", grad, GradState, optional=True)
     inner = _check_model(model, "local_sgd_step")
     if grad is not None and not grad.sync_gradients:
         return state

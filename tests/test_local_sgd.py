@@ -92,10 +92,14 @@ def test_disabled_local_sgd_never_averages() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"local_sgd_steps": 0}, ValueError, r"local_sgd_steps must be >= 1; got 0"),
-        ({"local_sgd_steps": 2, "steps": -1}, ValueError, r"steps must be >= 0"),
+        ({"local_sgd_steps": 0}, ValueError, r"local_sgd_steps \(0\) must be >= 1"),
+        ({"local_sgd_steps": 2, "steps": -1}, ValueError, r"steps \(-1\) must be >= 0"),
         ({"local_sgd_steps": 2.0}, TypeError, r"local_sgd_steps must be an int"),
-        ({"local_sgd_steps": 2, "enabled": 1}, TypeError, r"enabled must be True or"),
+        (
+            {"local_sgd_steps": 2, "enabled": 1},
+            TypeError,
+            r"enabled must be a bool; got 1 \(int\)",
+        ),
     ],
 )
 def test_local_sgd_state_validates_its_fields(
