@@ -20,7 +20,9 @@ from typing import Final
 from typing import Protocol
 from typing import TypeVar
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 
@@ -92,20 +94,6 @@ def _plain_items(
         print(_line(label, done, total, start), file=sys.stderr, flush=True)
 
 
-def _check_count(name: str, value: object, minimum: int) -> None:
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        msg = (
-            f"progress: {name} must be an int or None; got {summary(value)} "
-            f"({type(value).__name__})."
-        )
-        raise TypeError(msg)
-    if value < minimum:
-        msg = f"progress: {name} must be >= {minimum}; got {value}."
-        raise ValueError(msg)
-
-
 def progress(
     ctx: DistributedContext,
     iterable: Iterable[T],
@@ -140,16 +128,12 @@ def progress(
     """
     check_context(ctx, "progress")
     if not isinstance(iterable, Iterable):
-        msg = (
-            f"progress: iterable must be iterable; got {summary(iterable)} "
-            f"({type(iterable).__name__})."
-        )
-        raise TypeError(msg)
-    _check_count("total", total, 0)
-    _check_count("every", every, 1)
-    if desc is not None and not isinstance(desc, str):
-        msg = f"progress: desc must be a str or None; got {summary(desc)} ({type(desc).__name__})."
-        raise TypeError(msg)
+        fail_type("progress", "iterable", iterable, "iterable")
+    if total is not None:
+        check_int("progress", "total", total, 0)
+    if every is not None:
+        check_int("progress", "every", every, 1)
+    check_type("progress", "desc", desc, str, optional=True)
     if not ctx.is_main_process:
         return iter(iterable)
     if total is None and isinstance(iterable, Sized):

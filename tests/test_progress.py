@@ -130,9 +130,9 @@ def test_progress_prints_nothing_before_the_first_item(
     [
         ({"ctx": 0}, TypeError, r"progress: ctx must be a DistributedContext; got 0"),
         ({"iterable": 5}, TypeError, r"progress: iterable must be iterable; got 5"),
-        ({"total": -1}, ValueError, r"progress: total must be >= 0; got -1"),
-        ({"total": 2.0}, TypeError, r"total must be an int or None; got 2.0"),
-        ({"every": 0}, ValueError, r"progress: every must be >= 1; got 0"),
+        ({"total": -1}, ValueError, r"progress: total \(-1\) must be >= 0"),
+        ({"total": 2.0}, TypeError, r"total must be an int; got 2\.0 \(float\)"),
+        ({"every": 0}, ValueError, r"progress: every \(0\) must be >= 1"),
         ({"desc": 3}, TypeError, r"desc must be a str or None; got 3 \(int\)"),
     ],
 )
