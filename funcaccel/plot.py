@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+from funcaccel._checks import check_type
 from funcaccel._checks import summary
-from funcaccel._checks import type_name
 
 __all__ = ["plot_metrics", "read_metrics"]
 
@@ -181,16 +181,11 @@ def plot_metrics(
         ValueError: the files hold no numeric metric, or one is not a tracker's file.
         TypeError: an argument of the wrong type.
     """
+    kinds = (str, os.PathLike)
+    what = "a path (str or os.PathLike)"
     for name, value in (("run_dir", run_dir), ("out", out)):
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            msg = (
-                f"plot_metrics: {name} must be a path (str or os.PathLike); got "
-                f"{summary(value)} ({type_name(value)})."
-            )
-            raise TypeError(msg)
-    if title is not None and not isinstance(title, str):
-        msg = f"plot_metrics: title must be a str or None; got {summary(title)} ({type_name(title)})."
-        raise TypeError(msg)
+        check_type("plot_metrics", name, value, kinds, what=what, optional=True)
+    check_type("plot_metrics", "title", title, str, optional=True)
     run = Path(run_dir)
     files = _metric_files("plot_metrics", run)
     per_file = {path: read_metrics(path) for path in files}
