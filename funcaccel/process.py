@@ -26,6 +26,9 @@ from typing import Any
 from typing import Final
 from typing import TypeAlias
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel.collectives import exchange_codes
 from funcaccel.collectives import wait_for_everyone
 from funcaccel.context import DistributedContext
@@ -233,16 +236,8 @@ class _RankLoggerAdapter(_Adapter):
         # Read from **kwargs, where the base class's signature puts them.
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
-        for name, value in (
-            ("main_process_only", main_process_only),
-            ("in_order", in_order),
-        ):
-            if type(value) is not bool:
-                error = (
-                    f"get_logger: {name} must be a bool; got {value!r} "
-                    f"({type(value).__name__})."
-                )
-                raise TypeError(error)
+        check_bool("get_logger", "main_process_only", main_process_only)
+        check_bool("get_logger", "in_order", in_order)
         # The record names the caller of debug()/info()/..., not this method:
         # logging skips its own frames, and one more level skips this one.
         options: dict[str, Any] = dict(
@@ -317,12 +312,7 @@ def get_logger(
     >>> log.logger.removeHandler(handler)
     """
     check_context(ctx, "get_logger")
-    if not isinstance(name, str):
-        msg = (
-            f"get_logger: name must be a str; got {name!r} ({type(name).__name__}). "
-            "Pass e.g. __name__."
-        )
-        raise TypeError(msg)
+    check_type("get_logger", "name", name, str, hint="Pass e.g. __name__.")
     logger = logging.getLogger(name)
     if log_level is not None:
         logger.setLevel(_level(log_level))
@@ -330,19 +320,14 @@ def get_logger(
 
 
 def _level(log_level: object) -> int | str:
-    if isinstance(log_level, bool) or not isinstance(log_level, (int, str)):
-        msg = (
-            f"get_logger: log_level must be a level name, an int or None; got "
-            f"{log_level!r} ({type(log_level).__name__}). Pass e.g. 'info'."
-        )
-        raise TypeError(msg)
-    if isinstance(log_level, int):
-        return log_level
-    upper = log_level.upper()
-    if upper not in _LEVELS:
-        msg = (
-            f"get_logger: log_level must be one of {', '.join(_LEVELS)} (any case); "
-            f"got {log_level!r}."
-        )
-        raise ValueError(msg)
-    return upper
+    what = "a level name, an int or None"
+    hint = "Pass e.g. 'info'."
+    level: int | str = check_type(
+        "get_logger", "log_level", log_level, (int, str), what=what, hint=hint
+    )
+    if isinstance(level, int):
+        return level
+    if level.upper() not in _LEVELS:
+        what = f"one of {', '.join(_LEVELS)} (any case)"
+        fail_value("get_logger", "log_level", level, what)
+    return level.upper()
