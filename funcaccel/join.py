@@ -25,6 +25,9 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.algorithms.join import Joinable
 from torch.utils.data import IterableDataset
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.context import require_process_group
@@ -45,11 +48,7 @@ def _as_sequence(value: object, name: str) -> tuple[object, ...]:
         return (value,)
     if isinstance(value, Sequence) and not isinstance(value, str):
         return tuple(value)
-    msg = (
-        f"join_uneven_inputs: {name} must be one object or a sequence of them; got "
-        f"{type(value).__name__}."
-    )
-    raise TypeError(msg)
+    fail_type("join_uneven_inputs", name, value, "one object or a sequence of them")
 
 
 def _joinables(models: object) -> list[Joinable]:
@@ -58,7 +57,7 @@ def _joinables(models: object) -> list[Joinable]:
         inner = _inside_compile(model)
         if not isinstance(inner, Joinable):
             msg = (
-                f"join_uneven_inputs: models[{i}] is a {type(inner).__name__}, which "
+                f"join_uneven_inputs: models[{i}] is a {type_name(inner)}, which "
                 "torch's Join cannot shadow (only DistributedDataParallel and other "
                 "Joinables, e.g. ZeroRedundancyOptimizer, can); wrap it with "
                 "wrap_model(ctx, model) for DDP, or keep even_batches=True (FSDP2 "
@@ -73,15 +72,11 @@ def _joinables(models: object) -> list[Joinable]:
 
 
 def _loaders(loaders: object) -> tuple[ShardedLoader, ...]:
-    found = _as_sequence(loaders, "loaders")
-    for i, loader in enumerate(found):
-        if not isinstance(loader, ShardedLoader):
-            msg = (
-                f"join_uneven_inputs: loaders[{i}] must be a ShardedLoader from "
-                f"shard_loader(ctx, dataloader); got {type(loader).__name__}."
-            )
-            raise TypeError(msg)
-    return tuple(x for x in found if isinstance(x, ShardedLoader))
+    what = "a ShardedLoader from shard_loader(ctx, dataloader)"
+    return tuple(
+        check_type("join_uneven_inputs", f"loaders[{i}]", x, ShardedLoader, what=what)
+        for i, x in enumerate(_as_sequence(loaders, "loaders"))
+    )
 
 
 def _can_reshard(loader: ShardedLoader) -> bool:
@@ -156,12 +151,15 @@ def join_uneven_inputs(
             dispatches batches; it is yielded unchanged, as Accelerate does.
     """
     check_context(ctx, "join_uneven_inputs")
-    if even_batches is not None and not isinstance(even_batches, bool):
-        msg = (
-            f"join_uneven_inputs: even_batches must be None, True or False; got "
-            f"{even_batches!r}."
-        )
-        raise TypeError(msg)
+    what = "None, True or False"
+    check_type(
+        "join_uneven_inputs",
+        "even_batches",
+        even_batches,
+        bool,
+        what=what,
+        optional=True,
+    )
     given = _loaders(loaders)
     if ctx.num_processes == 1:
         yield given
