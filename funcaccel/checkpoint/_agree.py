@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from funcaccel._checks import check_type
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.checkpoint import _formats
@@ -50,12 +51,8 @@ def _raise_failures(errors: Sequence[str | None], what: str, caller: str) -> Non
 def _check_save_values(
     caller: str, grad: object, loader: object, extra: object, keep_last: object
 ) -> dict[str, Any]:
-    if grad is not None and not isinstance(grad, GradState):
-        msg = f"{caller}: grad must be a GradState or None; got {summary(grad)} ({type(grad).__name__})."
-        raise TypeError(msg)
-    if loader is not None and not isinstance(loader, LoaderState):
-        msg = f"{caller}: loader must be a LoaderState or None; got {summary(loader)} ({type(loader).__name__})."
-        raise TypeError(msg)
+    check_type(caller, "grad", grad, GradState, optional=True)
+    check_type(caller, "loader", loader, LoaderState, optional=True)
     if isinstance(grad, GradState) and grad.micro_step != 0:
         msg = (
             f"{caller}: grad has an open accumulation window (micro_step="
@@ -67,9 +64,8 @@ def _check_save_values(
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         msg = f"{caller}: keep_last must be an int >= 1 or None; got {summary(keep_last)}."
         raise ValueError(msg)
-    if extra is not None and not isinstance(extra, Mapping):
-        msg = f"{caller}: extra must be a dict of JSON values or None; got {summary(extra)}."
-        raise TypeError(msg)
+    what = "a dict of JSON values or None"
+    extra = check_type(caller, "extra", extra, Mapping, what=what, optional=True)
     copied: dict[str, Any] = check_json_value(dict(extra or {}), "extra", caller)
     return copied
 

@@ -47,6 +47,7 @@ from typing import Final
 import torch
 from torch import nn
 
+from funcaccel._checks import type_name
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
@@ -79,7 +80,11 @@ def own_pending_save(root: Path) -> str | None:
         return None
     mine = _marker_name()
     for entry in root.iterdir():
-        if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_dir():
+        if (
+            entry.name.startswith(".")
+            and entry.name.endswith(".tmp")
+            and entry.is_dir()
+        ):
             if not entry.is_symlink() and (entry / mine).is_file():
                 return entry.name[1:].removesuffix(".tmp")
     return None
@@ -153,10 +158,16 @@ class DeferredCopy:
         """Copy every deferred storage; raise if a source changed before its copy."""
         for source, target in self._pairs:
             target.copy_(source)
-        changed = [name for name, tensor, version in self._versions if tensor._version != version]
+        changed = [
+            name
+            for name, tensor, version in self._versions
+            if tensor._version != version
+        ]
         self._pairs, self._versions = [], []
         if changed:
-            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            shown = ", ".join(changed[:5]) + (
+                f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            )
             msg = (
                 f"{shown} changed in place after save_checkpoint(..., asynchronous=True) "
                 "returned but before the background copy of it had finished, so the copy "
@@ -229,7 +240,9 @@ def stage(
         if key in defer:
             versions.append((name, tensor, tensor._version))
         copied = torch.empty(0, dtype=tensor.dtype)
-        copied.set_(copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+        copied.set_(
+            copies[key], tensor.storage_offset(), tensor.size(), tensor.stride()
+        )
         memo[id(tensor)] = copied
     staged: dict[str, object] = copy.deepcopy(files, memo)
     return staged, tuple(copies.values()), DeferredCopy(later, versions)
@@ -288,7 +301,7 @@ class PendingCheckpoint:
             try:
                 self._entries = write()
             except Exception as failure:  # any failure is reported by wait()
-                self._error = f"writing into {where} failed in the background: {type(failure).__name__}: {failure}"
+                self._error = f"writing into {where} failed in the background: {type_name(failure)}: {failure}"
                 self._cause = failure
 
         # Until the deferred copy is made, a step of a saved optimizer (the only

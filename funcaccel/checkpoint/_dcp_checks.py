@@ -22,6 +22,7 @@ from typing import Final
 import torch
 
 from funcaccel._checks import summary
+from funcaccel._checks import type_name
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.checkpoint._members import check_member_name
 
@@ -31,25 +32,27 @@ _METADATA_NAME: Final = ".metadata"
 # What DCP's FileSystemWriter pickles into .metadata: its records, torch.Size,
 # dtypes and layouts, and the checkpoint path. Building any of these runs no code
 # of the file's choosing.
-_ALLOWED: Final = MappingProxyType({
-    "torch.distributed.checkpoint.metadata": frozenset(
-        {
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size"}),
-    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
-    "collections": frozenset({"OrderedDict"}),
-})
+_ALLOWED: Final = MappingProxyType(
+    {
+        "torch.distributed.checkpoint.metadata": frozenset(
+            {
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            }
+        ),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),
+        "torch": frozenset({"Size"}),
+        "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
+        "collections": frozenset({"OrderedDict"}),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -85,7 +88,7 @@ def check_dcp_metadata(
     try:
         metadata = _MetadataUnpickler(where.read_bytes(), caller, where).load()
     except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as error:
-        msg = f"{caller}: {where} cannot be read ({type(error).__name__}: {summary(str(error), 200)}); {DAMAGED}."
+        msg = f"{caller}: {where} cannot be read ({type_name(error)}: {summary(str(error), 200)}); {DAMAGED}."
         raise ValueError(msg) from error
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
@@ -114,7 +117,7 @@ def check_dcp_value(value: io.BytesIO, *, caller: str) -> None:
     try:
         torch.load(value, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = str(error).splitlines()[0] if str(error) else type_name(error)
         msg = f"{caller}: a value in the sharded state is not weights-only ({summary(first, 200)}), so it was not loaded; {DAMAGED}."
         raise ValueError(msg) from error
     finally:

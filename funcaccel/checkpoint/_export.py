@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from funcaccel._checks import check_bool
-from funcaccel._checks import summary
-from funcaccel._checks import type_name
+from funcaccel._checks import check_type
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel.checkpoint import _export_files
@@ -53,15 +52,14 @@ _LISTED: Final = 10
 
 
 def _check_call(ctx: object, model: object, directory: object, caller: str) -> Path:
-    if not isinstance(ctx, DistributedContext):
-        msg = f"{caller}: ctx must be a DistributedContext; got {summary(ctx)} ({type_name(ctx)}). Build one with build_context()."
-        raise TypeError(msg)
-    if not isinstance(model, nn.Module):
-        msg = f"{caller}: model must be a torch.nn.Module (wrapped or not); got {summary(model)} ({type_name(model)})."
-        raise TypeError(msg)
-    if not isinstance(directory, (str, os.PathLike)):
-        msg = f"{caller}: directory must be a str or os.PathLike; got {summary(directory)} ({type_name(directory)})."
-        raise TypeError(msg)
+    hint = "Build one with build_context()."
+    ctx = check_type(caller, "ctx", ctx, DistributedContext, hint=hint)
+    what = "a torch.nn.Module (wrapped or not)"
+    check_type(caller, "model", model, nn.Module, what=what)
+    what = "a str or os.PathLike"
+    directory = check_type(
+        caller, "directory", directory, (str, os.PathLike), what=what
+    )
     require_process_group(ctx, caller)
     return Path(directory)
 
@@ -194,10 +192,15 @@ def save_model(
     if temporary is not None:
         try:
             if error is None and len(shards) > 1:
-                weight_map = {e.name: n for s, n in zip(shards, names, strict=True) for e in s}
+                weight_map = {
+                    e.name: n for s, n in zip(shards, names, strict=True) for e in s
+                }
                 total = sum(e.nbytes for e in entries)
                 _export_files.write_index(
-                    temporary / index_name(safe=safe), weight_map, total, durable=durable
+                    temporary / index_name(safe=safe),
+                    weight_map,
+                    total,
+                    durable=durable,
                 )
             if error is None:
                 commit_export(root, temporary, durable=durable)
@@ -215,7 +218,10 @@ def _listed(items: list[str]) -> str:
 
 
 def _mismatches(
-    module: nn.Module, saved: dict[str, _export_files.SavedTensor], root: Path, caller: str
+    module: nn.Module,
+    saved: dict[str, _export_files.SavedTensor],
+    root: Path,
+    caller: str,
 ) -> str | None:
     """Describe how the export in ``root`` does not fit ``module``, or ``None``."""
     state = module.state_dict()
@@ -239,9 +245,13 @@ def _mismatches(
     ]
     problems = []
     if missing:
-        problems.append(f"missing keys (in the model, not in the export): {_listed(missing)}")
+        problems.append(
+            f"missing keys (in the model, not in the export): {_listed(missing)}"
+        )
     if unexpected:
-        problems.append(f"unexpected keys (in the export, not in the model): {_listed(unexpected)}")
+        problems.append(
+            f"unexpected keys (in the export, not in the model): {_listed(unexpected)}"
+        )
     if shapes:
         problems.append(f"different shapes: {_listed(shapes)}")
     if not problems:

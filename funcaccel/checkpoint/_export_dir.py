@@ -119,7 +119,9 @@ def prepare_export(directory: Path) -> Path:
             if entry.is_symlink():
                 os.symlink(os.readlink(entry), target)
             elif entry.is_dir():
-                shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+                shutil.copytree(
+                    entry, target, symlinks=True, copy_function=_link_or_copy
+                )
             else:
                 _link_or_copy(str(entry), str(target))
     return temporary

@@ -96,7 +96,9 @@ def _read_index(root: Path, name: str, caller: str) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise _damaged(caller, f"{path} has no weight_map of tensor names to file names")
+        raise _damaged(
+            caller, f"{path} has no weight_map of tensor names to file names"
+        )
     return weight_map
 
 
@@ -105,12 +107,17 @@ def _headers(path: Path, *, safe: bool, caller: str) -> dict[str, tuple[int, ...
     if problem is not None:
         raise _damaged(caller, f"{path} {problem}")
     if not safe:
-        return {k: tuple(v.shape) for k, v in read_shard(path, safe=False, caller=caller).items()}
+        return {
+            k: tuple(v.shape)
+            for k, v in read_shard(path, safe=False, caller=caller).items()
+        }
     try:
         with safetensors.safe_open(path, framework="pt") as file:
             return {k: tuple(file.get_slice(k).get_shape()) for k in file.keys()}
     except (safetensors.SafetensorError, OSError) as error:
-        raise _damaged(caller, f"{path} is not a safetensors file ({summary(str(error), 200)})") from error
+        raise _damaged(
+            caller, f"{path} is not a safetensors file ({summary(str(error), 200)})"
+        ) from error
 
 
 def read_layout(root: Path, *, caller: str) -> tuple[bool, dict[str, SavedTensor]]:
@@ -147,11 +154,16 @@ def read_layout(root: Path, *, caller: str) -> tuple[bool, dict[str, SavedTensor
         path = member_path(root, file, caller=caller, where=f"the export {root}")
         for key, shape in _headers(path, safe=safe, caller=caller).items():
             if key in saved:
-                raise _damaged(caller, f"{key!r} is in both {saved[key].file} and {file}")
+                raise _damaged(
+                    caller, f"{key!r} is in both {saved[key].file} and {file}"
+                )
             saved[key] = SavedTensor(file, shape)
     for key, file in weight_map.items():
         if key not in saved or saved[key].file != file:
-            raise _damaged(caller, f"the index maps {summary(key)} to {file}, which does not hold it")
+            raise _damaged(
+                caller,
+                f"the index maps {summary(key)} to {file}, which does not hold it",
+            )
     return safe, saved
 
 
@@ -166,12 +178,23 @@ def read_shard(path: Path, *, safe: bool, caller: str) -> dict[str, torch.Tensor
         try:
             loaded: dict[str, torch.Tensor] = safetensors.torch.load_file(path)
         except (safetensors.SafetensorError, OSError) as error:
-            raise _damaged(caller, f"{path} cannot be read ({summary(str(error), 200)})") from error
+            raise _damaged(
+                caller, f"{path} cannot be read ({summary(str(error), 200)})"
+            ) from error
         return loaded
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, OSError) as error:
-        raise _damaged(caller, f"{path} cannot be read as a weights-only torch file ({summary(str(error), 200)})") from error
+    except (
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        OSError,
+    ) as error:
+        raise _damaged(
+            caller,
+            f"{path} cannot be read as a weights-only torch file ({summary(str(error), 200)})",
+        ) from error
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):

@@ -28,9 +28,9 @@ from typing import Final
 import torch
 from torch import nn
 
+from funcaccel._checks import fail_type
 from funcaccel._checks import is_int
 from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel._dist_types import is_dtensor
 
 __all__ = [
@@ -86,11 +86,8 @@ def parse_shard_size(value: object, *, caller: str) -> int:
         else:
             size = int(digits) * _UNITS[prefix] // (8 if last == "b" else 1)
     else:
-        msg = (
-            f"{caller}: max_shard_size must be an int (bytes) or a str like '5GB'; "
-            f"got {summary(value)} ({type_name(value)})."
-        )
-        raise TypeError(msg)
+        what = "an int (bytes) or a str like '5GB'"
+        fail_type(caller, "max_shard_size", value, what)
     if size < 1:
         msg = f"{caller}: max_shard_size must be at least 1 byte; got {summary(value)}. Use e.g. '5GB'."
         raise ValueError(msg)
@@ -194,12 +191,8 @@ def plan_export(
     entries: list[ExportEntry] = []
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
-            msg = (
-                f"{caller}: the state dict entry {name!r} is {summary(value)} "
-                f"({type_name(value)}), not a tensor; an export holds tensors only. "
-                "Save such state with save_checkpoint instead."
-            )
-            raise TypeError(msg)
+            hint = "An export holds tensors only; save such state with save_checkpoint."
+            fail_type(caller, f"the state dict entry {name!r}", value, "a tensor", hint)
         if name in tied:
             continue
         entries.append(
@@ -208,7 +201,9 @@ def plan_export(
     return entries, tied
 
 
-def plan_shards(entries: list[ExportEntry], max_shard_size: int) -> list[list[ExportEntry]]:
+def plan_shards(
+    entries: list[ExportEntry], max_shard_size: int
+) -> list[list[ExportEntry]]:
     """Split ``entries`` into files of at most ``max_shard_size`` bytes each.
 
     A tensor larger than the limit gets a file of its own, placed (as in

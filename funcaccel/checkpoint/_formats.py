@@ -42,7 +42,10 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
+from funcaccel._checks import type_name
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
@@ -90,11 +93,7 @@ def _as_tuple(
         items = tuple(value)
         if all(isinstance(item, kind) for item in items):
             return items
-    msg = (
-        f"{caller}: {name} must be {what} or a sequence of them; got {summary(value)} "
-        f"({type(value).__name__})."
-    )
-    raise TypeError(msg)
+    fail_type(caller, name, value, f"{what} or a sequence of them")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,20 +124,30 @@ def check_state_objects(
         RuntimeError: ``ctx`` has several processes and no matching default group.
     """
     ctx = check_context(ctx, caller)
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        msg = f"{caller}: scaler must be a torch.amp.GradScaler or None; got {summary(scaler)}."
-        raise TypeError(msg)
-    if objects is not None and not isinstance(objects, Mapping):
-        msg = f"{caller}: objects must be a mapping of name to Stateful or None; got {summary(objects)}."
-        raise TypeError(msg)
+    scaler = check_type(
+        caller,
+        "scaler",
+        scaler,
+        torch.amp.GradScaler,
+        what="a torch.amp.GradScaler or None",
+        optional=True,
+    )
+    objects = check_type(
+        caller,
+        "objects",
+        objects,
+        Mapping,
+        what="a mapping of name to Stateful or None",
+        optional=True,
+    )
     named = dict(objects or {})
     for key, value in named.items():
         if not isinstance(key, str) or not key.replace("_", "").isalnum():
             msg = f"{caller}: objects keys name files and must be letters, digits and '_'; got {key!r}."
             raise ValueError(msg)
         if not isinstance(value, Stateful):
-            msg = f"{caller}: objects[{key!r}] needs state_dict()/load_state_dict(); got {type(value).__name__}."
-            raise TypeError(msg)
+            what = "an object with state_dict()/load_state_dict()"
+            fail_type(caller, f"objects[{key!r}]", value, what)
     require_process_group(ctx, caller)
     record = StateObjects(
         _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
@@ -294,7 +303,7 @@ def save_sharded(
         try:
             future.result()
         except Exception as failure:
-            return f"writing the sharded state into {directory} failed in the background: {type(failure).__name__}: {summary(str(failure), 300)}"
+            return f"writing the sharded state into {directory} failed in the background: {type_name(failure)}: {summary(str(failure), 300)}"
         finally:
             dist.destroy_process_group(group)
         return None
@@ -352,7 +361,7 @@ def load_sharded(
     except (CheckpointException, RuntimeError, ValueError, KeyError) as error:
         if DAMAGED in str(error):  # from the checks above, maybe wrapped by DCP
             raise ValueError(summary(str(error), 600)) from error
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = str(error).splitlines()[0] if str(error) else type_name(error)
         msg = (
             f"{caller}: the sharded state in {directory} does not fit the models and "
             f"optimizers passed ({first}); pass the same architecture, models and "
@@ -438,7 +447,7 @@ def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> Non
             reason = _module_mismatch(target, state)
         if reason is None:
             text = str(error).strip()
-            reason = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+            reason = f"{type_name(error)}: {text.splitlines()[0] if text else ''}"
         msg = (
             f"{caller}: {file} does not fit {what} ({reason}); "
             f"pass the same {what.split('[')[0]} as when the checkpoint was saved."

@@ -34,6 +34,7 @@ from typing import Final
 import torch
 
 from funcaccel._checks import summary
+from funcaccel._checks import type_name
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.checkpoint._members import regular_file
 
@@ -101,7 +102,9 @@ def prepare(root: Path) -> str:
     """
     root.mkdir(parents=True, exist_ok=True)
     # Every name counts, a symlink's or a file's too: the new one must be free.
-    taken = [int(m.group(1)) for p in root.iterdir() if (m := _NAME_RE.fullmatch(p.name))]
+    taken = [
+        int(m.group(1)) for p in root.iterdir() if (m := _NAME_RE.fullmatch(p.name))
+    ]
     name = f"checkpoint-{max(taken, default=0) + 1:06d}"
     temporary = temporary_dir(root, name)
     if _is_real_dir(temporary):
@@ -275,7 +278,7 @@ def read_torch_file(path: Path, *, caller: str) -> Any:
         pickle.UnpicklingError,
     ) as error:
         msg = (
-            f"{caller}: {path} cannot be read ({type(error).__name__}: "
+            f"{caller}: {path} cannot be read ({type_name(error)}: "
             f"{(str(error).splitlines() or ['no detail'])[0][:200]}); "
             "the file is truncated, damaged or crafted (only tensors and plain values "
             "are loaded, weights_only=True). Load an earlier checkpoint (see "

@@ -24,6 +24,11 @@ from typing import Final
 from typing import Literal
 from typing import TypeVar
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_choice
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
 from funcaccel.checkpoint import _layout
 from funcaccel.checkpoint._members import DAMAGED
@@ -45,6 +50,7 @@ SCHEMA_VERSION: Final = 1
 """The manifest schema this funcaccel writes and reads."""
 _FORMAT_TAG: Final = "funcaccel-checkpoint"
 _HEX: Final = frozenset("0123456789abcdef")
+_STATE_FORMATS: Final = ("torch", "dcp", "deepspeed")
 # Far above any real manifest (about 100 bytes per file): a bigger one is not read.
 _MANIFEST_LIMIT: Final = 64 << 20
 T = TypeVar("T")
@@ -80,12 +86,8 @@ def check_json_value(value: object, where: str, caller: str) -> Any:
         return {
             k: check_json_value(v, f"{where}[{k!r}]", caller) for k, v in value.items()
         }
-    msg = (
-        f"{caller}: {where} must be JSON (str, int, finite float, bool, None, list, "
-        f"dict with str keys); got {summary(value)} ({type(value).__name__}). "
-        f"{_json_hint(value)}"
-    )
-    raise TypeError(msg)
+    what = "JSON (str, int, finite float, bool, None, list, dict with str keys)"
+    fail_type(caller, where, value, what, _json_hint(value))
 
 
 def _python_number(value: object) -> int | float | bool | None:
@@ -148,11 +150,7 @@ class FileEntry:
 def _field(
     data: Mapping[str, object], key: str, kind: type[T] | tuple[type, ...]
 ) -> Any:
-    value = data[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        msg = f"CheckpointMeta.from_dict: {key!r} has the wrong type: got {summary(value)} ({type(value).__name__})."
-        raise TypeError(msg)
-    return value
+    return check_type("CheckpointMeta.from_dict", key, data[key], kind)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,47 +200,23 @@ class CheckpointMeta:
             "schedulers",
             "schema_version",
         ):
-            value, least = getattr(self, name), int(name == "world_size")
-            if type(value) is not int:
-                msg = f"{owner}: {name} must be an int; got {summary(value)} ({type(value).__name__})."
-                raise TypeError(msg)
-            if value < least:
-                msg = f"{owner}: {name} must be >= {least}; got {value}."
-                raise ValueError(msg)
-        if self.state_format not in ("torch", "dcp", "deepspeed"):
-            msg = f"{owner}: state_format must be 'torch', 'dcp' or 'deepspeed'; got {self.state_format!r}."
-            raise ValueError(msg)
-        for name in ("scaler", "rng"):
-            if type(getattr(self, name)) is not bool:
-                msg = f"{owner}: {name} must be a bool; got {summary(getattr(self, name))}."
-                raise TypeError(msg)
+            check_int(owner, name, getattr(self, name), int(name == "world_size"))
+        check_choice(owner, "state_format", self.state_format, _STATE_FORMATS)
+        check_bool(owner, "scaler", self.scaler)
+        check_bool(owner, "rng", self.rng)
         if not isinstance(self.objects, tuple) or not all(
             isinstance(o, str) for o in self.objects
         ):
-            msg = (
-                f"{owner}: objects must be a tuple of str; got {summary(self.objects)}."
-            )
-            raise TypeError(msg)
-        if self.grad is not None and not isinstance(self.grad, GradState):
-            msg = (
-                f"{owner}: grad must be a GradState or None; got {summary(self.grad)}."
-            )
-            raise TypeError(msg)
-        if self.loader is not None and not isinstance(self.loader, LoaderState):
-            msg = f"{owner}: loader must be a LoaderState or None; got {summary(self.loader)}."
-            raise TypeError(msg)
+            fail_type(owner, "objects", self.objects, "a tuple of str")
+        check_type(owner, "grad", self.grad, GradState, optional=True)
+        check_type(owner, "loader", self.loader, LoaderState, optional=True)
         object.__setattr__(self, "extra", check_json_value(self.extra, "extra", owner))
-        if not isinstance(self.extra, dict):
-            msg = f"{owner}: extra must be a dict; got {summary(self.extra)}."
-            raise TypeError(msg)
+        check_type(owner, "extra", self.extra, dict)
         if not isinstance(self.files, Mapping) or not all(
             isinstance(k, str) and isinstance(v, FileEntry)
             for k, v in self.files.items()
         ):
-            msg = (
-                f"{owner}: files must map str to FileEntry; got {summary(self.files)}."
-            )
-            raise TypeError(msg)
+            fail_type(owner, "files", self.files, "a mapping of str to FileEntry")
         for name in self.files:
             check_member_name(name, caller=owner, where="files")
         object.__setattr__(self, "files", dict(self.files))
@@ -357,7 +331,9 @@ def read_manifest(root: Path, *, verify: bool, caller: str) -> CheckpointMeta:
             json.loads(manifest.read_text(encoding="utf-8"))
         )
     except (ValueError, TypeError, RecursionError) as error:  # deep JSON recurses
-        msg = f"{caller}: {manifest} is not a valid manifest: {summary(str(error), 300)}"
+        msg = (
+            f"{caller}: {manifest} is not a valid manifest: {summary(str(error), 300)}"
+        )
         raise ValueError(msg) from error
     for name, entry in meta.files.items():
         path = member_path(root, name, caller=caller, where=where)

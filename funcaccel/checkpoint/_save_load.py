@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from funcaccel._checks import check_bool
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
 from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint import _layout
 from funcaccel.checkpoint._agree import _all_gather
@@ -282,12 +282,8 @@ def save_checkpoint(
     state_format = _formats.choose_format(objs.models)
     if state_format == "dcp":
         _formats.pair_optimizers(objs.models, objs.optimizers, caller=caller)
-    if pending is not None and not isinstance(pending, PendingCheckpoint):
-        msg = (
-            f"{caller}: pending must be the PendingCheckpoint an asynchronous save "
-            f"returned, or None; got {summary(pending)} ({type(pending).__name__})."
-        )
-        raise TypeError(msg)
+    what = "the PendingCheckpoint an asynchronous save returned, or None"
+    check_type(caller, "pending", pending, PendingCheckpoint, what=what, optional=True)
     root = Path(directory)
     reusable: tuple[torch.UntypedStorage, ...] = ()
     if pending is not None:
@@ -471,10 +467,8 @@ def load_checkpoint(
     objs = _formats.check_state_objects(
         ctx, caller, models, optimizers, schedulers, scaler, objects
     )
-    for flag, given in (("restore_rng", restore_rng), ("verify", verify)):
-        if type(given) is not bool:
-            msg = f"{caller}: {flag} must be a bool; got {summary(given)}."
-            raise TypeError(msg)
+    check_bool(caller, "restore_rng", restore_rng)
+    check_bool(caller, "verify", verify)
     root = Path(path)
     guard_collective(ctx, caller)
     meta = _read_checked(ctx, root, objs, verify=verify, caller=caller)
