@@ -163,7 +163,7 @@ def _any(value: object) -> Any:
         (
             lambda: log_metrics(SINGLE, [], {}, step=-1),
             ValueError,
-            r"log_metrics: step must be >= 0; got -1",
+            r"log_metrics: step \(-1\) must be >= 0",
         ),
         (
             lambda: finish_trackers(SINGLE, _any(3)),
@@ -183,7 +183,9 @@ def test_helpers_reject_non_bool_main_process_only() -> None:
     odd = _Recorder()
     odd.main_process_only = "yes"  # type: ignore[attr-defined]
     with pytest.raises(
-        TypeError, match=r"\(recorder\) has main_process_only='yes' \(str\)"
+        TypeError,
+        match=r"the main_process_only of trackers\[0\] \(recorder\) must be a bool; "
+        r"got 'yes' \(str\)",
     ):
         log_metrics(SINGLE, [odd], {"loss": 1.0})
     assert odd.calls == []
@@ -244,10 +246,14 @@ def test_normalize_metrics_keeps_plain_values(
             r"value 'loss' is a tensor with 3 elements \(shape \(3,\)\)",
         ),
         ({"loss": torch.ones(0)}, ValueError, r"tensor with 0 elements"),
-        ({"loss": [1.0]}, TypeError, r"value 'loss' is \[1.0\] \(list\); log an int"),
-        ({"loss": None}, TypeError, r"value 'loss' is None \(NoneType\)"),
+        (
+            {"loss": [1.0]},
+            TypeError,
+            r"value 'loss' must be an int, .*; got \[1.0\] \(list\)",
+        ),
+        ({"loss": None}, TypeError, r"value 'loss' must be .*; got None \(NoneType\)"),
         ({"loss": 1j}, TypeError, r"\(complex\)"),
-        ({1: 1.0}, TypeError, r"keys must be str; got 1 \(int\)"),
+        ({1: 1.0}, TypeError, r"every key must be a str; got 1 \(int\)"),
     ],
 )
 def test_normalize_metrics_rejects_bad_values(
@@ -327,7 +333,7 @@ def test_file_trackers_name_an_unwritable_path(tmp_path: Path, kind: str) -> Non
 @pytest.mark.parametrize("kind", sorted(FILE_TRACKERS))
 def test_file_trackers_reject_bad_steps(tmp_path: Path, kind: str) -> None:
     tracker = FILE_TRACKERS[kind](tmp_path)
-    with pytest.raises(ValueError, match=r"Tracker.log: step must be >= 0; got -2"):
+    with pytest.raises(ValueError, match=r"Tracker.log: step \(-2\) must be >= 0"):
         tracker.log({"loss": 1.0}, step=-2)
     with pytest.raises(TypeError, match=r"Tracker.log: step must be an int .* 1.5"):
         tracker.log({"loss": 1.0}, step=_any(1.5))
@@ -553,9 +559,11 @@ def test_tracker_base_checks_before_the_backend_writes() -> None:
     )
     log_metrics(_rank(1), [tracker], {"loss": _any(torch.tensor(0.5))}, step=2)
     store_config(SINGLE, [tracker], {"lr": np.float64(0.1), "sched": None})
-    with pytest.raises(ValueError, match=r"_ListTracker.log: step must be >= 0"):
+    with pytest.raises(ValueError, match=r"_ListTracker.log: step \(-1\) must be >= 0"):
         tracker.log({"loss": 1.0}, step=-1)
-    with pytest.raises(TypeError, match=r"_ListTracker.log: value 'loss' is \[1\]"):
+    with pytest.raises(
+        TypeError, match=r"_ListTracker.log: value 'loss' must be .*; got \[1\]"
+    ):
         tracker.log({"loss": [1]})
     with pytest.raises(
         TypeError,
@@ -664,7 +672,7 @@ def test_trackers_from_names_names_the_extra_of_a_missing_package(
             r"'tensorboard', 'mlflow', 'wandb', 'all'\]",
         ),
         (["jsonl", "jsonl"], ValueError, r"'jsonl' is named twice"),
-        (["jsonl", 3], TypeError, r"names_or_all\[1\] is 3 \(int\)"),
+        (["jsonl", 3], TypeError, r"names_or_all\[1\] must be a str; got 3 \(int\)"),
         (3, TypeError, r"names_or_all must be a tracker name or a list .* got 3"),
         (b"jsonl", TypeError, r"names_or_all must be .* got b'jsonl' \(bytes\)"),
     ],
@@ -681,6 +689,6 @@ def test_trackers_from_names_rejects_bad_arguments(tmp_path: Path) -> None:
         trackers_from_names(_any(0), "jsonl", tmp_path)
     with pytest.raises(TypeError, match=r"project_dir must be a str or os.PathLike"):
         trackers_from_names(SINGLE, "jsonl", _any(None))
-    with pytest.raises(ValueError, match=r"project_name must be a non-empty str"):
+    with pytest.raises(ValueError, match=r"project_name must not be empty; got ''"):
         trackers_from_names(SINGLE, "jsonl", tmp_path, project_name="")
     assert trackers_from_names(SINGLE, [], tmp_path) == []

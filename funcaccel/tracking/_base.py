@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TypeAlias
 
 from funcaccel._checks import check_bool
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import type_name
 from funcaccel.tracking._values import ConfigValue
 from funcaccel.tracking._values import check_open
@@ -76,16 +77,8 @@ class TrackerBase(abc.ABC):
     __slots__ = ("_finished", "_main_process_only", "_name")
 
     def __init__(self, *, name: str, main_process_only: bool) -> None:
-        owner = type(self).__name__
-        if not isinstance(name, str):
-            msg = (
-                f"{owner}: name must be a str; got {summary(name)} "
-                f"({type_name(name)}); pass a short name such as 'memory'."
-            )
-            raise TypeError(msg)
-        if not name:
-            msg = f"{owner}: name must not be empty; got ''. Pass e.g. 'memory'."
-            raise ValueError(msg)
+        owner = type_name(self)
+        check_name(owner, "name", name, "memory")
         check_bool(owner, "main_process_only", main_process_only)
         self._name = name
         self._main_process_only = main_process_only
@@ -114,7 +107,7 @@ class TrackerBase(abc.ABC):
                 with other than one element.
             TypeError: ``step``, a key or a value of the wrong type.
         """
-        owner = type(self).__name__
+        owner = type_name(self)
         check_open(owner, "log", self._finished)
         check_step(f"{owner}.log", step)
         self._write_metrics(normalize_metrics(values, caller=f"{owner}.log"), step)
@@ -127,7 +120,7 @@ class TrackerBase(abc.ABC):
                 element.
             TypeError: a key or a value of the wrong type.
         """
-        owner = type(self).__name__
+        owner = type_name(self)
         method = "store_init_configuration"
         check_open(owner, method, self._finished)
         config = normalize_config(values, caller=f"{owner}.{method}")
@@ -161,19 +154,11 @@ def tracker_path(owner: str, name: str, value: object) -> Path:
         TypeError: ``value`` is not a str or ``os.PathLike``.
         ValueError: ``value`` is empty.
     """
-    if not isinstance(value, (str, os.PathLike)):
-        msg = (
-            f"{owner}: {name} must be a str or os.PathLike; got {summary(value)} "
-            f"({type_name(value)})."
-        )
-        raise TypeError(msg)
-    text = os.fspath(value)
+    what = "a str or os.PathLike"
+    text = os.fspath(check_type(owner, name, value, (str, os.PathLike), what=what))
     if not isinstance(text, str):
-        msg = (
-            f"{owner}: {name} must be a str or os.PathLike of str; got "
-            f"{summary(value)}, a path of bytes; pass it as a str."
-        )
-        raise TypeError(msg)
+        hint = "It is a path of bytes; pass it as a str."
+        fail_type(owner, name, value, "a str or os.PathLike of str", hint)
     if not text:
         msg = (
             f"{owner}: {name} must not be empty; got ''. Pass a path such as "
@@ -181,6 +166,20 @@ def tracker_path(owner: str, name: str, value: object) -> Path:
         )
         raise ValueError(msg)
     return Path(text)
+
+
+def check_name(owner: str, name: str, value: object, example: str) -> str:
+    """Return ``value`` if it is a non-empty str; ``example`` is shown as the fix.
+
+    Raises:
+        TypeError: ``value`` is not a str.
+        ValueError: ``value`` is empty.
+    """
+    text = check_type(owner, name, value, str, hint=f"Pass e.g. {example!r}.")
+    if not text:
+        msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. {example!r}."
+        raise ValueError(msg)
+    return text
 
 
 def require_package(owner: str, package: str, extra: str) -> None:

@@ -12,11 +12,13 @@ from types import MappingProxyType
 from typing import Final
 from typing import NamedTuple
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import check_name
 from funcaccel.tracking._base import tracker_path
 from funcaccel.tracking._files import CSVTracker
 from funcaccel.tracking._files import JSONLTracker
@@ -32,20 +34,24 @@ class _Entry(NamedTuple):
     build: Callable[[Path, str], TrackerBase]  # (project_dir, project_name) -> tracker
 
 
-_TRACKERS: Final[Mapping[str, _Entry]] = MappingProxyType({
-    "jsonl": _Entry(None, lambda root, _: JSONLTracker(root / "metrics.jsonl")),
-    "csv": _Entry(None, lambda root, _: CSVTracker(root / "metrics.csv")),
-    "tensorboard": _Entry(
-        "tensorboard", lambda root, _: TensorBoardTracker(root / "tensorboard")
-    ),
-    "mlflow": _Entry(
-        "mlflow",
-        lambda root, project: MLflowTracker(
-            root / "mlflow.db", experiment_name=project
+_TRACKERS: Final[Mapping[str, _Entry]] = MappingProxyType(
+    {
+        "jsonl": _Entry(None, lambda root, _: JSONLTracker(root / "metrics.jsonl")),
+        "csv": _Entry(None, lambda root, _: CSVTracker(root / "metrics.csv")),
+        "tensorboard": _Entry(
+            "tensorboard", lambda root, _: TensorBoardTracker(root / "tensorboard")
         ),
-    ),
-    "wandb": _Entry("wandb", lambda root, project: WandbTracker(root, project=project)),
-})
+        "mlflow": _Entry(
+            "mlflow",
+            lambda root, project: MLflowTracker(
+                root / "mlflow.db", experiment_name=project
+            ),
+        ),
+        "wandb": _Entry(
+            "wandb", lambda root, project: WandbTracker(root, project=project)
+        ),
+    }
+)
 _ALL: Final = "all"
 
 
@@ -61,20 +67,13 @@ def _names(names_or_all: object) -> list[str]:
     elif isinstance(names_or_all, Iterable) and not isinstance(names_or_all, bytes):
         asked = list(names_or_all)
     else:
-        msg = (
-            f"trackers_from_names: names_or_all must be a tracker name or a list of "
-            f"them, from {valid}; got {summary(names_or_all)} "
-            f"({type_name(names_or_all)})."
-        )
-        raise TypeError(msg)
+        what = f"a tracker name or a list of them, from {valid}"
+        fail_type("trackers_from_names", "names_or_all", names_or_all, what)
     names: list[str] = []
     for index, name in enumerate(asked):
-        if not isinstance(name, str):
-            msg = (
-                f"trackers_from_names: names_or_all[{index}] is {summary(name)} "
-                f"({type_name(name)}); pass tracker names from {valid}."
-            )
-            raise TypeError(msg)
+        hint = f"Pass tracker names from {valid}."
+        where = f"names_or_all[{index}]"
+        name = check_type("trackers_from_names", where, name, str, hint=hint)
         if name != _ALL and name not in _TRACKERS:
             msg = (
                 f"trackers_from_names: unknown tracker name {name!r}; the names are "
@@ -127,12 +126,7 @@ def trackers_from_names(
             any tracker is built).
     """
     check_context(ctx, "trackers_from_names")
-    if not isinstance(project_name, str) or not project_name:
-        msg = (
-            f"trackers_from_names: project_name must be a non-empty str; got "
-            f"{summary(project_name)} ({type_name(project_name)}). Pass e.g. 'exp1'."
-        )
-        raise TypeError(msg) if not isinstance(project_name, str) else ValueError(msg)
+    check_name("trackers_from_names", "project_name", project_name, "exp1")
     names = _names(names_or_all)
     root = tracker_path("trackers_from_names", "project_dir", project_dir)
     for name in names:

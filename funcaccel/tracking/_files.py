@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 from typing import Final
 
-from funcaccel._checks import summary
+from funcaccel._checks import fail_type
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import tracker_path
@@ -39,11 +39,8 @@ _TIME_KEYS: Final = ("step", "time")
 
 def _check_clock(owner: str, clock: object) -> Clock:
     if not callable(clock):
-        msg = (
-            f"{owner}: clock must be a callable returning the wall time, such as "
-            f"time.time; got {summary(clock)} ({type(clock).__name__})."
-        )
-        raise TypeError(msg)
+        what = "a callable returning the wall time, such as time.time"
+        fail_type(owner, "clock", clock, what)
     return clock
 
 

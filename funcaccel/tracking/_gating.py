@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from typing import Protocol
 from typing import runtime_checkable
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
@@ -74,11 +76,8 @@ def _gated(
     """Return the trackers this rank calls, in order, after checking the inputs."""
     check_context(ctx, caller)
     if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
-        msg = (
-            f"{caller}: trackers must be a list of trackers; got {summary(trackers)} "
-            f"({type_name(trackers)}). Wrap a single tracker in a list: [tracker]."
-        )
-        raise TypeError(msg)
+        hint = "Wrap a single tracker in a list: [tracker]."
+        fail_type(caller, "trackers", trackers, "a list of trackers", hint)
     chosen: list[Tracker] = []
     for index, tracker in enumerate(list(trackers)):
         if not isinstance(tracker, Tracker):
@@ -89,12 +88,8 @@ def _gated(
             )
             raise TypeError(msg)
         main_only = getattr(tracker, "main_process_only", True)
-        if not isinstance(main_only, bool):
-            msg = (
-                f"{caller}: trackers[{index}] ({tracker.name}) has main_process_only="
-                f"{summary(main_only)} ({type_name(main_only)}); it must be a bool."
-            )
-            raise TypeError(msg)
+        name = f"the main_process_only of trackers[{index}] ({tracker.name})"
+        check_bool(caller, name, main_only)
         if ctx.is_main_process or not main_only:
             chosen.append(tracker)
     return chosen

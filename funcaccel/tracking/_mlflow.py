@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Final
 
+from funcaccel._checks import check_type
 from funcaccel._checks import summary
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import check_name
 from funcaccel.tracking._base import require_package
 from funcaccel.tracking._values import ConfigValue
 
@@ -39,25 +41,15 @@ _URI_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]+:")
 _BATCH: Final = 100
 
 
-def _check_name(owner: str, name: str, value: object) -> str:
-    if not isinstance(value, str):
-        msg = f"{owner}: {name} must be a str; got {summary(value)} ({type(value).__name__})."
-        raise TypeError(msg)
-    if not value:
-        msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. 'funcaccel'."
-        raise ValueError(msg)
-    return value
-
-
 def _tracking_uri(value: object) -> tuple[str, Path | None]:
     """Return the tracking URI and, for a local database, the database file."""
-    if not isinstance(value, (str, os.PathLike)):
-        msg = (
-            "MLflowTracker: tracking_uri must be a str or os.PathLike; got "
-            f"{summary(value)} ({type(value).__name__}). Pass a path such as "
-            "'runs/mlflow.db' or a URI such as 'http://localhost:5000'."
-        )
-        raise TypeError(msg)
+    hint = (
+        "Pass a path such as 'runs/mlflow.db' or a URI such as 'http://localhost:5000'."
+    )
+    what = "a str or os.PathLike"
+    value = check_type(
+        "MLflowTracker", "tracking_uri", value, (str, os.PathLike), what=what, hint=hint
+    )
     if isinstance(value, str) and _URI_SCHEME.match(value):
         return value, None
     text = os.fspath(value)
@@ -220,9 +212,9 @@ class MLflowTracker(TrackerBase):
         main_process_only: bool = True,
     ) -> None:
         uri, database = _tracking_uri(tracking_uri)
-        _check_name("MLflowTracker", "experiment_name", experiment_name)
+        check_name("MLflowTracker", "experiment_name", experiment_name, "funcaccel")
         if run_name is not None:
-            _check_name("MLflowTracker", "run_name", run_name)
+            check_name("MLflowTracker", "run_name", run_name, "funcaccel")
         super().__init__(name="mlflow", main_process_only=main_process_only)
         require_package("MLflowTracker", "mlflow", "mlflow")
         self._tracking_uri = uri

@@ -13,6 +13,9 @@ from typing import TypeAlias
 
 import torch
 
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 
@@ -48,29 +51,18 @@ def _scalar_from_tensor(
         raise ValueError(msg)
     item = value.item()
     if isinstance(item, complex):
-        msg = f"{caller}: value {key!r} is a complex tensor ({summary(value)}); log a real number."
-        raise TypeError(msg)
+        fail_type(caller, f"value {key!r}", value, "a real number, not a complex one")
     return item
 
 
 def _check_key(caller: str, key: object) -> str:
-    if not isinstance(key, str):
-        msg = (
-            f"{caller}: keys must be str; got {key!r} ({type_name(key)}); name each "
-            "value with a string such as 'loss'."
-        )
-        raise TypeError(msg)
-    return key
+    hint = "Name each value with a string such as 'loss'."
+    return check_type(caller, "every key", key, str, hint=hint)
 
 
-def check_mapping(caller: str, what: str, values: object) -> Mapping[object, object]:
-    if not isinstance(values, Mapping):
-        msg = (
-            f"{caller}: {what} must be a mapping such as {{'loss': 0.5}}; got "
-            f"{summary(values)} ({type_name(values)})."
-        )
-        raise TypeError(msg)
-    return values
+def check_mapping(caller: str, name: str, values: object) -> Mapping[object, object]:
+    what = "a mapping such as {'loss': 0.5}"
+    return check_type(caller, name, values, Mapping, what=what)
 
 
 def normalize_metrics(
@@ -105,11 +97,8 @@ def normalize_metrics(
         elif isinstance(value, numbers.Real):
             out[name] = float(value)
         else:
-            msg = (
-                f"{caller}: value {name!r} is {summary(value)} ({type_name(value)}); log "
-                "an int, float, str, bool or one-element tensor."
-            )
-            raise TypeError(msg)
+            what = "an int, float, str, bool or one-element tensor"
+            fail_type(caller, f"value {name!r}", value, what)
     return out
 
 
@@ -150,12 +139,8 @@ def normalize_config(
 def check_step(caller: str, step: object) -> None:
     if step is None:
         return
-    if not isinstance(step, int) or isinstance(step, bool):
-        msg = f"{caller}: step must be an int or None; got {summary(step)} ({type_name(step)})."
-        raise TypeError(msg)
-    if step < 0:
-        msg = f"{caller}: step must be >= 0; got {step}."
-        raise ValueError(msg)
+    check_type(caller, "step", step, int, what="an int or None")
+    check_int(caller, "step", step, 0)
 
 
 def check_open(owner: str, method: str, finished: bool) -> None:

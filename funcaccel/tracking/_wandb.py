@@ -19,10 +19,11 @@ from typing import Literal
 from typing import Protocol
 from typing import TypeAlias
 
+from funcaccel._checks import check_type
 from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
+from funcaccel.tracking._base import check_name
 from funcaccel.tracking._base import require_package
 from funcaccel.tracking._base import tracker_path
 from funcaccel.tracking._values import ConfigValue
@@ -33,15 +34,17 @@ WandbMode: TypeAlias = Literal["online", "offline", "disabled"]
 _MODES: Final[tuple[WandbMode, ...]] = ("online", "offline", "disabled")
 
 # Arguments of wandb.init the tracker sets itself, with where each comes from.
-_OWN_ARGUMENTS: Final = MappingProxyType({
-    "dir": "the tracker's dir",
-    "project": "project=",
-    "name": "run_name=",
-    "mode": "mode=",
-    "settings": "mode=",
-    "reinit": "the tracker (each tracker makes its own run)",
-    "config": "store_config",
-})
+_OWN_ARGUMENTS: Final = MappingProxyType(
+    {
+        "dir": "the tracker's dir",
+        "project": "project=",
+        "name": "run_name=",
+        "mode": "mode=",
+        "settings": "mode=",
+        "reinit": "the tracker (each tracker makes its own run)",
+        "config": "store_config",
+    }
+)
 
 
 class _Config(Protocol):
@@ -75,27 +78,11 @@ class _Run(Protocol):
     def finish(self) -> None: ...
 
 
-def _check_name(owner: str, name: str, value: object) -> str:
-    if not isinstance(value, str):
-        msg = (
-            f"{owner}: {name} must be a str; got {summary(value)} ({type_name(value)})."
-        )
-        raise TypeError(msg)
-    if not value:
-        msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. 'funcaccel'."
-        raise ValueError(msg)
-    return value
-
-
 def _check_mode(mode: object) -> WandbMode | None:
     if mode is None:
         return None
-    if not isinstance(mode, str):
-        msg = (
-            f"WandbTracker: mode must be a str or None; got {summary(mode)} "
-            f"({type_name(mode)}); pass one of {list(_MODES)}."
-        )
-        raise TypeError(msg)
+    hint = f"Pass one of {list(_MODES)}."
+    check_type("WandbTracker", "mode", mode, str, what="a str or None", hint=hint)
     for known in _MODES:
         if mode == known:
             return known
@@ -109,21 +96,14 @@ def _check_mode(mode: object) -> WandbMode | None:
 def _check_init_kwargs(value: object) -> dict[str, object]:
     if value is None:
         return {}
-    if not isinstance(value, Mapping):
-        msg = (
-            "WandbTracker: init_kwargs must be a mapping of wandb.init arguments, "
-            f"such as {{'entity': 'team', 'tags': ['baseline']}}; got "
-            f"{summary(value)} ({type_name(value)})."
-        )
-        raise TypeError(msg)
+    what = (
+        "a mapping of wandb.init arguments, such as "
+        "{'entity': 'team', 'tags': ['baseline']}"
+    )
+    value = check_type("WandbTracker", "init_kwargs", value, Mapping, what=what)
     out: dict[str, object] = {}
     for key, item in value.items():
-        if not isinstance(key, str):
-            msg = (
-                f"WandbTracker: init_kwargs keys must be str; got {summary(key)} "
-                f"({type_name(key)})."
-            )
-            raise TypeError(msg)
+        check_type("WandbTracker", "every key of init_kwargs", key, str)
         if key in _OWN_ARGUMENTS:
             msg = (
                 f"WandbTracker: init_kwargs may not set {key!r}; the tracker sets it "
@@ -202,11 +182,11 @@ class WandbTracker(TrackerBase):
         main_process_only: bool = True,
     ) -> None:
         self._dir = tracker_path("WandbTracker", "dir", dir)
-        self._project = _check_name("WandbTracker", "project", project)
+        self._project = check_name("WandbTracker", "project", project, "funcaccel")
         self._run_name = (
             None
             if run_name is None
-            else _check_name("WandbTracker", "run_name", run_name)
+            else check_name("WandbTracker", "run_name", run_name, "funcaccel")
         )
         self._mode = _check_mode(mode)
         self._init_kwargs = _check_init_kwargs(init_kwargs)
