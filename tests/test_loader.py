@@ -424,7 +424,7 @@ def test_each_iteration_starts_the_next_epoch_as_a_dataloader_reshuffles() -> No
     assert [x.tolist() for x in loader] == [seeded_order(6, 7)]
     assert loader.epoch == 5
     with pytest.raises(
-        ValueError, match=r"ShardedLoader.set_epoch: epoch must be >= 0; got -1"
+        ValueError, match=r"ShardedLoader.set_epoch: epoch \(-1\) must be >= 0"
     ):
         loader.set_epoch(-1)
     with pytest.raises(
@@ -830,7 +830,7 @@ def test_loader_state_round_trips_through_json(
 
 @pytest.mark.parametrize("field", ["epoch", "global_batches", "global_batch_size"])
 def test_loader_state_rejects_bad_fields(field: str) -> None:
-    with pytest.raises(ValueError, match=rf"LoaderState: {field} must be >= 0; got -2"):
+    with pytest.raises(ValueError, match=rf"LoaderState: {field} \(-2\) must be >= 0"):
         LoaderState(**{field: -2})
     with pytest.raises(
         TypeError, match=rf"LoaderState: {field} must be an int; got 1.5"
@@ -1117,7 +1117,7 @@ def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
             r"shard_loader: dispatch_batches must be None, True or False",
         ),
         ({"seed": 1.0}, TypeError, r"shard_loader: seed must be an int; got 1.0"),
-        ({"seed": -1}, ValueError, r"shard_loader: seed must be >= 0; got -1"),
+        ({"seed": -1}, ValueError, r"shard_loader: seed \(-1\) must be >= 0"),
         ({"seed": 2**63}, ValueError, r"shard_loader: seed must be < 2\*\*63; got 9"),
         (
             {"slice_fn": 3},
@@ -1806,7 +1806,10 @@ def test_a_batch_sampler_given_as_sampler_shards_like_batch_size(
     for rank in range(p):
         ctx = rank_ctx(p, rank)
         given_loader = shard_loader(
-            ctx, _as_sampler(n, bs, shuffle=shuffle, drop_last=drop_last), seed=3, **options
+            ctx,
+            _as_sampler(n, bs, shuffle=shuffle, drop_last=drop_last),
+            seed=3,
+            **options,
         )
         reference = shard_loader(
             ctx,

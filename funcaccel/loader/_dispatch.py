@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from funcaccel._checks import summary
+from funcaccel._checks import type_name
 from funcaccel._tree import TreeSpec
 from funcaccel._tree import flatten
 from funcaccel._tree import spec_paths
@@ -65,7 +66,7 @@ def _flat_tensors(batch: Any, index: int) -> _Flat:
         if not isinstance(leaf, torch.Tensor):
             msg = (
                 f"shard_loader: dispatch_batches=True can only send tensors, but leaf "
-                f"{path} of global batch {index} is a {type(leaf).__name__} "
+                f"{path} of global batch {index} is a {type_name(leaf)} "
                 f"({summary(leaf, 40)}); use a collate_fn that returns only tensors, or "
                 "dispatch_batches=False"
             )
@@ -185,7 +186,7 @@ def _fail(ctx: DistributedContext, failure: _Failure) -> Exception:
         return error.kind(error.message)
     message = (
         f"shard_loader: rank 0 failed while reading global batch {failure.index} for "
-        f"dispatch_batches=True: {type(error).__name__}: {error}; see rank 0's "
+        f"dispatch_batches=True: {type_name(error)}: {error}; see rank 0's "
         "traceback for the cause"
     )
     _share_header(ctx, _Header(kind="error", message=message))

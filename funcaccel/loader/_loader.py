@@ -28,7 +28,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 from funcaccel.loader._placement import send_to_device
@@ -37,7 +38,6 @@ from funcaccel.loader._setup import build_setup
 from funcaccel.loader._state import START
 from funcaccel.loader._state import Batch
 from funcaccel.loader._state import LoaderState
-from funcaccel.loader._state import check_count
 from funcaccel.loader._stream import epoch_length
 from funcaccel.loader._stream import length
 from funcaccel.loader._stream import local_batches
@@ -138,7 +138,7 @@ class ShardedLoader:
             TypeError: ``epoch`` is not an int.
             ValueError: ``epoch`` is negative.
         """
-        check_count("ShardedLoader.set_epoch", "epoch", epoch)
+        check_int("ShardedLoader.set_epoch", "epoch", epoch, 0)
         self._epoch = epoch
 
     def __len__(self) -> int:
@@ -351,16 +351,8 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
         ValueError: The consumed samples are not a whole number of this loader's
             global batches.
     """
-    if not isinstance(loader, ShardedLoader):
-        msg = (
-            f"iter_batches: loader must be a ShardedLoader from shard_loader(ctx, "
-            f"dataloader); got {type(loader).__name__}."
-        )
-        raise TypeError(msg)
-    if not isinstance(state, LoaderState):
-        msg = (
-            f"iter_batches: state must be a LoaderState; got {summary(state)} "
-            f"({type(state).__name__}). Use LoaderState.from_dict for a saved dict."
-        )
-        raise TypeError(msg)
+    what = "a ShardedLoader from shard_loader(ctx, dataloader)"
+    check_type("iter_batches", "loader", loader, ShardedLoader, what=what)
+    hint = "Use LoaderState.from_dict for a saved dict."
+    check_type("iter_batches", "state", state, LoaderState, hint=hint)
     return records(loader._setup, state.epoch, _skip(loader, state))

@@ -18,7 +18,8 @@ from typing import cast
 
 import torch
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._tree import tree_map
 
 __all__ = ["send_to_device"]
@@ -64,17 +65,10 @@ def send_to_device(
     elif isinstance(device, torch.device):
         target = device
     else:
-        msg = (
-            f"send_to_device: device must be a torch.device or a str; got {summary(device)} "
-            f"({type(device).__name__}). Pass e.g. torch.device('cpu') or ctx.device."
-        )
-        raise TypeError(msg)
-    if not isinstance(non_blocking, bool):
-        msg = (
-            f"send_to_device: non_blocking must be a bool; got {summary(non_blocking)} "
-            f"({type(non_blocking).__name__}). Pass True or False."
-        )
-        raise TypeError(msg)
+        hint = "Pass e.g. torch.device('cpu') or ctx.device."
+        fail_type("send_to_device", "device", device, "a torch.device or a str", hint)
+    hint = "Pass True or False."
+    check_type("send_to_device", "non_blocking", non_blocking, bool, hint=hint)
     return cast(_T, send_tree(data, target, non_blocking))
 
 

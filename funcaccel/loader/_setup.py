@@ -25,7 +25,9 @@ from torch.utils.data import IterableDataset
 from torch.utils.data import RandomSampler
 from torch.utils.data import SequentialSampler
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 from funcaccel.loader._indices import BaseIndices
@@ -95,12 +97,6 @@ class Setup:
     epoch_targets: tuple[Any, ...]  # objects whose set_epoch is called
 
 
-def _type_error(name: str, expected: str, value: object) -> TypeError:
-    return TypeError(
-        f"{_WHERE}: {name} must be {expected}; got {summary(value)} ({type(value).__name__})."
-    )
-
-
 def _check_types(
     ctx: object,
     dataloader: object,
@@ -109,26 +105,23 @@ def _check_types(
     seed: object,
     slice_fn: object,
 ) -> None:
-    if not isinstance(ctx, DistributedContext):
-        raise _type_error("ctx", "a DistributedContext (from build_context)", ctx)
-    if not isinstance(dataloader, DataLoader):
-        raise _type_error("dataloader", "a torch.utils.data.DataLoader", dataloader)
+    what = "a DistributedContext (from build_context)"
+    check_type(_WHERE, "ctx", ctx, DistributedContext, what=what)
+    what = "a torch.utils.data.DataLoader"
+    check_type(_WHERE, "dataloader", dataloader, DataLoader, what=what)
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise _type_error(name, "True or False", value)
-    if dispatch_batches is not None and not isinstance(dispatch_batches, bool):
-        raise _type_error("dispatch_batches", "None, True or False", dispatch_batches)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise _type_error("seed", "an int", seed)
-    if seed < 0:
-        msg = f"{_WHERE}: seed must be >= 0; got {seed}. Pass a non-negative int."
-        raise ValueError(msg)
+        check_type(_WHERE, name, value, bool, what="True or False")
+    what = "None, True or False"
+    check_type(
+        _WHERE, "dispatch_batches", dispatch_batches, bool, what=what, optional=True
+    )
+    seed = check_int(_WHERE, "seed", seed, 0)
     if seed >= 2**63:
         # Epoch e seeds torch generators with seed + e, which must stay below 2**64.
         msg = f"{_WHERE}: seed must be < 2**63; got {seed}. Pass a smaller int."
         raise ValueError(msg)
     if slice_fn is not None and not callable(slice_fn):
-        raise _type_error("slice_fn", "None or a callable (data, slice)", slice_fn)
+        fail_type(_WHERE, "slice_fn", slice_fn, "None or a callable (data, slice)")
 
 
 def _check_rng_types(rng_types: object, ctx: DistributedContext) -> tuple[RngType, ...]:
@@ -194,10 +187,8 @@ def _base_indices(dataloader: DataLoader[Any], seed: int) -> BaseIndices:
         sampler = getattr(batch_sampler, "sampler", None)
         source, batch_size = batch_sampler, _original_batch_size(dataloader)
         drop_last = getattr(batch_sampler, "drop_last", False)
-        if not isinstance(drop_last, bool):
-            raise _type_error(
-                "the batch sampler's drop_last", "True or False", drop_last
-            )
+        name = "the batch sampler's drop_last"
+        check_type(_WHERE, name, drop_last, bool, what="True or False")
     # Exact types: a subclass may order indices its own way, so it is used as is.
     is_torch_batching = batch_sampler is None or type(batch_sampler) is BatchSampler
     kind: Any = "given"

@@ -11,21 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 from typing import Final
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_int
+from funcaccel._checks import check_type
 
-__all__ = ["START", "Batch", "LoaderState", "check_count", "make_batch"]
-
-
-def check_count(where: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = (
-            f"{where}: {name} must be an int; got {summary(value)} ({type(value).__name__}). "
-            "Pass a non-negative int."
-        )
-        raise TypeError(msg)
-    if value < 0:
-        msg = f"{where}: {name} must be >= 0; got {value}. Pass a non-negative int."
-        raise ValueError(msg)
+__all__ = ["START", "Batch", "LoaderState", "make_batch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +37,7 @@ class LoaderState:
     >>> LoaderState(epoch=-1)
     Traceback (most recent call last):
     ...
-    ValueError: LoaderState: epoch must be >= 0; got -1. Pass a non-negative int.
+    ValueError: LoaderState: epoch (-1) must be >= 0; pass a larger value.
     """
 
     epoch: int = 0
@@ -57,7 +46,7 @@ class LoaderState:
 
     def __post_init__(self) -> None:
         for name in ("epoch", "global_batches", "global_batch_size"):
-            check_count("LoaderState", name, getattr(self, name))
+            check_int("LoaderState", name, getattr(self, name), 0)
 
     def to_dict(self) -> dict[str, int]:
         """Return the state as a plain JSON-able dict.
@@ -80,12 +69,8 @@ class LoaderState:
             ValueError: ``data`` lacks a key or has an unknown one, or a value is
                 negative.
         """
-        if not isinstance(data, dict):
-            msg = (
-                f"LoaderState.from_dict: data must be a dict from LoaderState.to_dict(); "
-                f"got {type(data).__name__}."
-            )
-            raise TypeError(msg)
+        what = "a dict from LoaderState.to_dict()"
+        data = check_type("LoaderState.from_dict", "data", data, dict, what=what)
         expected = {"epoch", "global_batches", "global_batch_size"}
         if set(data) != expected:
             msg = (

@@ -15,6 +15,7 @@ from collections.abc import Sized
 from typing import Any
 from typing import Final
 
+from funcaccel._checks import type_name
 from funcaccel.loader._dispatch import dispatch_epoch
 from funcaccel.loader._indices import IndexedBatches
 from funcaccel.loader._indices import skip_items
@@ -42,7 +43,7 @@ _END: Final = object()
 
 def _unsized(what: object) -> TypeError:
     return TypeError(
-        f"ShardedLoader.__len__: the {type(what).__name__} has no len(), so the "
+        f"ShardedLoader.__len__: the {type_name(what)} has no len(), so the "
         "number of batches is unknown; give it a __len__ or do not call len()."
     )
 
