@@ -381,7 +381,7 @@ def test_pad_tensor_returns_the_tensor_itself_when_long_enough() -> None:
 @pytest.mark.parametrize(
     ("tensor", "size", "kwargs", "error", "pattern"),
     [
-        ([1], 2, {}, TypeError, r"must be a torch\.Tensor; got list"),
+        ([1], 2, {}, TypeError, r"must be a torch\.Tensor; got \[1\] \(list\)"),
         (
             torch.ones(2),
             1,

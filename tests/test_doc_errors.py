@@ -454,8 +454,12 @@ TRIGGERS: Final[dict[str, Trigger]] = {
             (["data['y']"], [((4,), "torch.float32")]), {"x": torch.zeros(4)}
         )
     ),
-    "ValueError: reduce: reduction must be 'sum', 'mean', 'max' or 'none' (the "
-    "sum); got 'min'.": lambda _: fa.reduce(ONE, torch.ones(1), reduction="min"),  # type: ignore[arg-type]
+    "ValueError: reduce: reduction must be one of 'sum', 'mean', 'max', 'none'; "
+    "got 'min'. 'none' is the sum.": lambda _: fa.reduce(
+        ONE,
+        torch.ones(1),
+        reduction="min",  # type: ignore[arg-type]
+    ),
     "TypeError: reduce: reduction='mean' is undefined for data of dtype "
     "torch.int64; ...": lambda _: fa.reduce(
         ONE, torch.ones(1, dtype=torch.int64), reduction="mean"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from funcaccel._checks import type_name
 from funcaccel.context import DistributedContext
 
 __all__ = [
@@ -76,7 +77,7 @@ def check_agree(caller: str, path: str, per_rank: list[LeafSpec], first: int) ->
 def join_objects(caller: str, name: str, every: list[Any]) -> list[Any]:
     """Concatenate every rank's list or tuple, or raise naming the ranks that aren't."""
     bad = [
-        f"rank {r}: {type(o).__name__}"
+        f"rank {r}: {type_name(o)}"
         for r, o in enumerate(every)
         if not isinstance(o, (list, tuple))
     ]

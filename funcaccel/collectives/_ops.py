@@ -30,7 +30,9 @@ from typing import overload
 import torch
 import torch.distributed as dist
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_choice
+from funcaccel._checks import check_type
+from funcaccel._checks import type_name
 from funcaccel._tree import rebuild
 from funcaccel.collectives._exchange import all_gather_objects
 from funcaccel.collectives._exchange import check_agree
@@ -106,9 +108,8 @@ _MSG_NO_BATCH: Final = (
 def _check_from_process(
     ctx: DistributedContext, caller: str, from_process: int
 ) -> None:
-    if not isinstance(from_process, int) or isinstance(from_process, bool):
-        msg = f"{caller}: from_process must be an int; got {from_process!r}; pass the source rank as an int."
-        raise TypeError(msg)
+    hint = "Pass the source rank as an int."
+    check_type(caller, "from_process", from_process, int, hint=hint)
     if not 0 <= from_process < ctx.num_processes:
         msg = f"{caller}: from_process ({from_process}) must be in [0, num_processes={ctx.num_processes}); pass the rank to copy from."
         raise ValueError(msg)
@@ -250,12 +251,9 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction = "sum") ->
             ``ctx.collective_timeout``) not every rank reached this call.
     """
     require_process_group(ctx, "reduce")
-    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
-        msg = (
-            f"reduce: reduction must be 'sum', 'mean', 'max' or 'none' (the sum); got "
-            f"{summary(reduction)}."
-        )
-        raise ValueError(msg)
+    check_choice(
+        "reduce", "reduction", reduction, _REDUCTIONS, hint="'none' is the sum."
+    )
     paths, leaves = tensor_leaves(data, "reduce")
     if ctx.num_processes > 1:
         guard_collective(ctx, "reduce")
@@ -354,7 +352,7 @@ def _check_batch(batch: _BatchArg, data_ranks: int) -> BatchInfo | None:
         or not isinstance(remainder, int)
         or isinstance(remainder, bool)
     ):
-        msg = f"gather_for_metrics: batch must have is_last: bool and remainder: int (a record from iter_batches); got {type(batch).__name__} with is_last={is_last!r}, remainder={remainder!r}."
+        msg = f"gather_for_metrics: batch must have is_last: bool and remainder: int (a record from iter_batches); got {type_name(batch)} with is_last={is_last!r}, remainder={remainder!r}."
         raise TypeError(msg)
     if remainder < -1:
         msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}; pass the record iter_batches yields."

@@ -11,6 +11,7 @@ from typing import Final
 import torch
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_type
 from funcaccel._checks import summary
 
 __all__ = ["check_pad_args", "check_pad_dim", "check_pad_fill", "pad_tensor"]
@@ -42,9 +43,7 @@ def pad_tensor(
     >>> pad_tensor(torch.tensor([[1, 2]]), 3, dim=1, pad_index=-1, pad_first=True)
     tensor([[-1,  1,  2]])
     """
-    if not isinstance(tensor, torch.Tensor):
-        msg = f"pad_tensor: tensor must be a torch.Tensor; got {type(tensor).__name__}."
-        raise TypeError(msg)
+    check_type("pad_tensor", "tensor", tensor, torch.Tensor, what="a torch.Tensor")
     check_pad_args("pad_tensor", dim, pad_index)
     if dim >= tensor.ndim:
         msg = f"pad_tensor: dim ({dim}) must be < tensor.ndim ({tensor.ndim}) for shape {tuple(tensor.shape)}; pass a dim the tensor has."
@@ -67,19 +66,16 @@ def pad_tensor(
 
 
 def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        msg = (
-            f"{caller}: dim must be an int; got {summary(dim)} ({type(dim).__name__})."
-        )
-        raise TypeError(msg)
+    check_type(caller, "dim", dim, int)
     if dim < 0:
         msg = (
             f"{caller}: dim must be >= 0; got {dim}. Count dims from 0 (no negatives)."
         )
         raise ValueError(msg)
-    if not isinstance(pad_index, (int, float)):
-        msg = f"{caller}: pad_index must be a number; got {summary(pad_index)}; pass an int or a float."
-        raise TypeError(msg)
+    # bool in the kinds: a bool pad_index has always passed (it fills 0 or 1).
+    number = (int, float, bool)
+    hint = "Pass an int or a float."
+    check_type(caller, "pad_index", pad_index, number, what="a number", hint=hint)
 
 
 def check_pad_fill(

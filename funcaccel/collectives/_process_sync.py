@@ -23,13 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-from typing import Final
 from typing import TypeVar
 from typing import overload
 
 import torch
 import torch.distributed as dist
 
+from funcaccel._checks import check_bool
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import summary
 from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._primitives import all_reduce_ints
 from funcaccel.context import DistributedContext
@@ -47,16 +50,6 @@ __all__ = [
 T = TypeVar("T")
 K = TypeVar("K")
 V = TypeVar("V")
-
-_REPR_LIMIT: Final = 80
-
-
-def _bounded(value: object) -> str:
-    """Return ``repr(value)``, cut to a readable length for an error message."""
-    text = repr(value)
-    if len(text) > _REPR_LIMIT:
-        return text[: _REPR_LIMIT - 3] + "..."
-    return text
 
 
 def _device_ids(ctx: DistributedContext) -> list[int] | None:
@@ -119,11 +112,7 @@ def _agreed_flags(ctx: DistributedContext, caller: str, flag: object) -> list[in
     codes = exchange_codes(ctx, (1 if flag else 0) if good else 2, caller=caller)
     bad = [rank for rank, code in enumerate(codes) if code == 2]
     if not good:
-        msg = (
-            f"{caller}: flag must be a bool; got {_bounded(flag)} "
-            f"({type(flag).__name__}). Pass bool(flag)."
-        )
-        raise TypeError(msg)
+        fail_type(caller, "flag", flag, "a bool", "Pass bool(flag).")
     if bad:
         msg = (
             f"{caller}: rank(s) {bad} passed a flag that is not a bool; fix the call "
@@ -235,12 +224,7 @@ def padded_count(ctx: DistributedContext, total: int) -> int:
     [0, 1, 1]
     """
     check_context(ctx, "padded_count")
-    if not isinstance(total, int) or isinstance(total, bool):
-        msg = (
-            f"padded_count: total must be an int; got {_bounded(total)} "
-            f"({type(total).__name__}). Pass len(inputs)."
-        )
-        raise TypeError(msg)
+    check_type("padded_count", "total", total, int, hint="Pass len(inputs).")
     if total < 0:
         msg = f"padded_count: total must be >= 0; got {total}. Pass len(inputs)."
         raise ValueError(msg)
@@ -252,18 +236,15 @@ def _length(caller: str, name: str, value: object) -> int:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             msg = (
-                f"{caller}: {name} is a 0-d tensor ({_bounded(value)}), which has no "
+                f"{caller}: {name} is a 0-d tensor ({summary(value)}), which has no "
                 "dim 0 to split; pass a tensor with at least one dim."
             )
             raise ValueError(msg)
         return int(value.shape[0])
     if isinstance(value, (list, tuple)):
         return len(value)
-    msg = (
-        f"{caller}: {name} must be a list, tuple, dict or torch.Tensor; got "
-        f"{_bounded(value)} ({type(value).__name__}). Convert it with list(...)."
-    )
-    raise TypeError(msg)
+    what = "a list, tuple, dict or torch.Tensor"
+    fail_type(caller, name, value, what, "Convert it with list(...).")
 
 
 def _dict_length(caller: str, inputs: dict[Any, Any]) -> int:
@@ -366,12 +347,7 @@ def split_between_processes(
     """
     caller = "split_between_processes"
     check_context(ctx, caller)
-    if type(apply_padding) is not bool:
-        msg = (
-            f"{caller}: apply_padding must be a bool; got {_bounded(apply_padding)} "
-            f"({type(apply_padding).__name__})."
-        )
-        raise TypeError(msg)
+    check_bool(caller, "apply_padding", apply_padding)
     if isinstance(inputs, dict):
         length = _dict_length(caller, inputs)
     else:
