@@ -582,7 +582,8 @@ def test_shard_iterable_dataset_rejects_bad_options(
 def test_shard_iterable_dataset_rejects_a_non_iterable() -> None:
     not_iterable: Any = 3
     with pytest.raises(
-        TypeError, match=r"^shard_iterable_dataset: dataset must be iterable, got int"
+        TypeError,
+        match=r"^shard_iterable_dataset: dataset must be an iterable; got 3 \(int\)",
     ):
         shard_iterable_dataset(not_iterable)
 

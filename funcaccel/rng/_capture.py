@@ -27,6 +27,8 @@ from typing import Final
 
 import torch
 
+from funcaccel._checks import type_name
+
 __all__ = ["RNG_KINDS", "capture_rng_state", "restore_rng_state"]
 
 RNG_KINDS: Final = ("python", "torch", "cuda", "numpy")
@@ -76,7 +78,7 @@ def capture_rng_state() -> dict[str, object]:
 def _bad_state(caller: str, kind: str, value: object) -> ValueError:
     msg = (
         f"{caller}: the saved {kind!r} RNG state is malformed (got "
-        f"{type(value).__name__}); the rank's RNG file is damaged or was not written "
+        f"{type_name(value)}); the rank's RNG file is damaged or was not written "
         "by funcaccel. Load another checkpoint or pass restore_rng=False."
     )
     return ValueError(msg)

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel._typing import RNG_TYPES
 from funcaccel._typing import RngType
 from funcaccel.collectives import broadcast_
@@ -43,11 +44,8 @@ def check_rng_types(
     ('torch',)
     """
     if isinstance(rng_types, (str, bytes)) or not isinstance(rng_types, Sequence):
-        msg = (
-            f"{caller}: rng_types must be a list of names such as ['torch']; got "
-            f"{summary(rng_types)} ({type_name(rng_types)})."
-        )
-        raise TypeError(msg)
+        what = "a list of names such as ['torch']"
+        fail_type(caller, "rng_types", rng_types, what)
     names: list[RngType] = []
     for name in rng_types:
         if name not in RNG_TYPES:
@@ -98,12 +96,10 @@ def sync_rng_states(
     """
     check_context(ctx, caller)
     names_given = check_rng_types(caller, rng_types, ctx)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        msg = (
-            f"{caller}: generator must be a torch.Generator or None; got "
-            f"{summary(generator)} ({type_name(generator)})."
-        )
-        raise TypeError(msg)
+    what = "a torch.Generator or None"
+    check_type(
+        caller, "generator", generator, torch.Generator, what=what, optional=True
+    )
     names = [name for name in names_given if name != "generator" or generator]
     if ctx.num_processes == 1 or not names:
         return

@@ -26,6 +26,8 @@ from torch.utils.data import Sampler
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_int
+from funcaccel._checks import fail_type
+from funcaccel._checks import type_name
 from funcaccel.sharding._common import check_world
 from funcaccel.sharding._common import take_cyclic
 from funcaccel.sharding._iterable import ShardedIterableDataset
@@ -60,8 +62,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __post_init__(self, _caller: str) -> None:
         if not isinstance(self.batch_sampler, Iterable):
-            msg = f"{_caller}: batch_sampler must be an iterable of index lists, got {type(self.batch_sampler).__name__}; pass a torch BatchSampler or similar."
-            raise TypeError(msg)
+            what, hint = "an iterable of index lists", "Pass a torch BatchSampler."
+            fail_type(_caller, "batch_sampler", self.batch_sampler, what, hint)
         size: Any = getattr(self.batch_sampler, "batch_size", None)
         drop_last: Any = getattr(self.batch_sampler, "drop_last", False)
         if size is not None:
@@ -83,7 +85,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         """Return the batches this rank yields per epoch; ``TypeError`` if the base is unsized."""
         if not isinstance(self.batch_sampler, Sized):
-            msg = f"{type(self).__name__}.__len__: the base batch sampler ({type(self.batch_sampler).__name__}) has no len(); give it a __len__ or do not ask for len()."
+            msg = f"{type_name(self)}.__len__: the base batch sampler ({type_name(self.batch_sampler)}) has no len(); give it a __len__ or do not ask for len()."
             raise TypeError(msg)
         k, p, i = len(self.batch_sampler), self.num_processes, self.process_index
         if not self.split_batches:
@@ -132,7 +134,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         >>> list(shard_batch_sampler(base, num_processes=2, process_index=1).iter_from(1))
         [[6, 7], [0, 1]]
         """
-        check_int(f"{type(self).__name__}.iter_from", "skip", skip, 0)
+        check_int(f"{type_name(self)}.iter_from", "skip", skip, 0)
         return self._iter_split(skip) if self.split_batches else self._iter_whole(skip)
 
     def _iter_split(self, skip: int) -> Iterator[list[int]]:
@@ -151,9 +153,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
             elif self.drop_last or not (self.even_batches or len(batch) > lo):
                 continue  # only the last base batch can be short
             elif produced >= skip:
-                pad = take_cyclic(
-                    first, 0, bs - len(batch) if self.even_batches else 0
-                )
+                pad = take_cyclic(first, 0, bs - len(batch) if self.even_batches else 0)
                 yield (list(batch) + pad)[lo:hi]
             produced += 1
 

@@ -20,6 +20,8 @@ from torch.utils.data import IterableDataset
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_int
+from funcaccel._checks import fail_type
+from funcaccel._checks import type_name
 from funcaccel.sharding._common import check_world
 from funcaccel.sharding._common import take_cyclic
 
@@ -51,8 +53,8 @@ class ShardedIterableDataset(IterableDataset[_T]):
 
     def __post_init__(self, _caller: str) -> None:
         if not isinstance(self.dataset, Iterable):
-            msg = f"{_caller}: dataset must be iterable, got {type(self.dataset).__name__}; pass an IterableDataset or another iterable."
-            raise TypeError(msg)
+            hint = "Pass an IterableDataset or another iterable."
+            fail_type(_caller, "dataset", self.dataset, "an iterable", hint)
         size = check_int(_caller, "batch_size", self.batch_size, 1)
         check_bool(_caller, "drop_last", self.drop_last)
         args = (self.num_processes, self.process_index, self.split_batches, size)
@@ -71,7 +73,7 @@ class ShardedIterableDataset(IterableDataset[_T]):
     def __len__(self) -> int:
         """Return the samples this rank yields per epoch; ``TypeError`` if the dataset is unsized."""
         if not isinstance(self.dataset, Sized):
-            msg = f"{type(self).__name__}.__len__: the dataset ({type(self.dataset).__name__}) has no len(); give it a __len__ or do not ask for len()."
+            msg = f"{type_name(self)}.__len__: the dataset ({type_name(self.dataset)}) has no len(); give it a __len__ or do not ask for len()."
             raise TypeError(msg)
         n, g = len(self.dataset), self.total_batch_size
         return self.process_batch_size * (n // g if self.drop_last else -(-n // g))
@@ -102,7 +104,7 @@ class ShardedIterableDataset(IterableDataset[_T]):
         >>> list(shard.iter_from(2))
         [2, 6, 7, 8]
         """
-        check_int(f"{type(self).__name__}.iter_from", "skip", skip, 0)
+        check_int(f"{type_name(self)}.iter_from", "skip", skip, 0)
         return self._iter(skip)
 
     def _iter(self, skip: int) -> Iterator[_T]:
