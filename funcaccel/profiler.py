@@ -51,6 +51,8 @@ import torch
 import torch.autograd.profiler
 import torch.profiler
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -182,18 +184,10 @@ def _profiling_ctx(
 
 def _check_ranks(ctx: DistributedContext, ranks: Collection[int]) -> frozenset[int]:
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Collection):
-        msg = (
-            f"{_OWNER}: ranks must be a collection of ints such as [0] or None for "
-            f"all ranks; got {summary(ranks)} ({type(ranks).__name__})."
-        )
-        raise TypeError(msg)
+        what = "a collection of ints such as [0] or None for all ranks"
+        fail_type(_OWNER, "ranks", ranks, what)
     for rank in ranks:
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            msg = (
-                f"{_OWNER}: ranks must hold ints; got {summary(rank)} "
-                f"({type(rank).__name__}) in {summary(ranks)}."
-            )
-            raise TypeError(msg)
+        check_type(_OWNER, "every item of ranks", rank, int)
         if not 0 <= rank < ctx.num_processes:
             msg = (
                 f"{_OWNER}: rank {rank} in ranks={summary(ranks)} is out of range for "
@@ -258,12 +252,8 @@ def build_profiler(
     check_context(ctx, _OWNER)
     if kwargs is None:
         kwargs = ProfileKwargs()
-    if not isinstance(kwargs, ProfileKwargs):
-        msg = (
-            f"{_OWNER}: kwargs must be a ProfileKwargs or None; got {summary(kwargs)} "
-            f"({type(kwargs).__name__})."
-        )
-        raise TypeError(msg)
+    what = "a ProfileKwargs or None"
+    kwargs = check_type(_OWNER, "kwargs", kwargs, ProfileKwargs, what=what)
     if ranks is not None and ctx.process_index not in _check_ranks(ctx, ranks):
         return contextlib.nullcontext(None)
     if kwargs.activities is None:

@@ -204,7 +204,7 @@ def test_build_profiler_reports_uncreatable_trace_dir(tmp_path: Path) -> None:
         ([-1], ValueError, r"rank -1 .* out of range"),
         ("0", TypeError, r"ranks must be a collection of ints .* got '0'"),
         (0, TypeError, r"ranks must be a collection .* got 0 \(int\)"),
-        ([True], TypeError, r"ranks must hold ints; got True \(bool\)"),
+        ([True], TypeError, r"every item of ranks must be an int; got True \(bool\)"),
     ],
 )
 def test_build_profiler_rejects_bad_ranks(
