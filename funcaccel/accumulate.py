@@ -40,6 +40,7 @@ from funcaccel._checks import summary
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
+from funcaccel._no_sync import no_sync_models
 from funcaccel.collectives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
@@ -65,7 +66,6 @@ from funcaccel.model import check_optimizers_hold
 from funcaccel.model import deepspeed_step
 from funcaccel.model import engine_boundary_ctx
 from funcaccel.model import inside_compile
-from funcaccel.sync import no_sync_models
 
 __all__ = [
     "GradState",

@@ -6,7 +6,7 @@ accumulate locally. ``sync_in_backward(ctx, model)`` is Accelerate's
 ``trigger_sync_in_backward``: the backward run inside it all-reduces, even though
 the forward passes ran in ``no_sync``. For plain accumulation prefer
 ``accumulate_step`` or ``sync_ctx``, which decide from a ``GradState`` and then
-enter the same context as ``no_sync`` (``no_sync_models``, defined here only).
+enter the same context as ``no_sync`` (``funcaccel._no_sync``).
 
 With 2 ranks, two forward passes inside ``no_sync``, ``backward(loss_a)`` and
 then ``backward(loss_b)`` inside ``sync_in_backward``: both ranks end with
@@ -19,18 +19,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._dist_types import is_fsdp_module
+from funcaccel._no_sync import no_sync_models
 from funcaccel.context import DistributedContext
 from funcaccel.context import check_context
 from funcaccel.model import inside_compile
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["no_sync", "sync_in_backward"]
 
@@ -41,64 +38,6 @@ def _check(ctx: object, model: object, caller: str) -> nn.Module:
         msg = f"{caller}: model must be an nn.Module; got {type(model).__name__}."
         raise TypeError(msg)
     return inside_compile(model)
-
-
-def no_sync_models(
-    models: tuple[nn.Module, ...], caller: str
-) -> AbstractContextManager[None]:
-    """Return the one context that switches gradient sync off for ``models``.
-
-    ``no_sync``, ``sync_ctx`` and ``accumulate_step`` all enter this one (the
-    last two only on a micro-step that skips its sync; the checks are theirs).
-    Each DDP module (inside ``torch.compile``'s wrapper too) enters its
-    ``no_sync()``; each FSDP2 module is switched to
-    ``set_requires_gradient_sync(False)``, and back to ``True`` on exit, on error
-    too; other modules are untouched. A single model, the usual case, gets its
-    own context directly, without an ``ExitStack``, as this runs per micro-step.
-
-    Raises:
-        ValueError: a DDP module built with ``static_graph=True``, which cannot
-            skip its all-reduce.
-    """
-    if len(models) == 1:
-        return _no_sync_one(models[0], caller)
-    return _no_sync_all(models, caller)
-
-
-def _no_sync_one(wrapped: nn.Module, caller: str) -> AbstractContextManager[None]:
-    model = inside_compile(wrapped)
-    if isinstance(model, DistributedDataParallel):
-        if model.static_graph:
-            msg = (
-                f"{caller}: the model's DDP was built with static_graph=True, which "
-                "cannot skip the gradient all-reduce (torch fails inside "
-                "no_sync()); build it with static_graph=False, or, with "
-                "accumulate_step or sync_ctx, all-reduce on every micro-step with "
-                "GradState(..., sync_each_batch=True)."
-            )
-            raise ValueError(msg)
-        manager: AbstractContextManager[None] = model.no_sync()
-        return manager
-    if is_fsdp_module(model):
-        return _fsdp_no_sync(model)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _no_sync_all(models: tuple[nn.Module, ...], caller: str) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for model in models:
-            stack.enter_context(_no_sync_one(model, caller))
-        yield
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
-    try:  # entered before the switch, so that a switch failing half-way is undone
-        model.set_requires_gradient_sync(False)
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def no_sync(ctx: DistributedContext, model: nn.Module) -> AbstractContextManager[None]:

@@ -1,0 +1,85 @@
+"""The one context that switches gradient synchronisation off for some models.
+
+``no_sync_models(models, caller)`` is entered by ``funcaccel.no_sync``, by
+``sync_ctx`` and by ``accumulate_step`` on a micro-step that skips its sync: each
+DDP module runs under its ``no_sync()``, each FSDP2 module with
+``set_requires_gradient_sync(False)``. It lives in its own module, below both
+``funcaccel.accumulate`` and ``funcaccel.sync``, so that ``import funcaccel``
+(which loads ``accumulate``) still leaves ``funcaccel.sync`` unloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from funcaccel._dist_types import is_fsdp_module
+from funcaccel.model import inside_compile
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["no_sync_models"]
+
+
+def no_sync_models(
+    models: tuple[nn.Module, ...], caller: str
+) -> AbstractContextManager[None]:
+    """Return the one context that switches gradient sync off for ``models``.
+
+    ``no_sync``, ``sync_ctx`` and ``accumulate_step`` all enter this one (the
+    last two only on a micro-step that skips its sync; the checks are theirs).
+    Each DDP module (inside ``torch.compile``'s wrapper too) enters its
+    ``no_sync()``; each FSDP2 module is switched to
+    ``set_requires_gradient_sync(False)``, and back to ``True`` on exit, on error
+    too; other modules are untouched. A single model, the usual case, gets its
+    own context directly, without an ``ExitStack``, as this runs per micro-step.
+
+    Raises:
+        ValueError: a DDP module built with ``static_graph=True``, which cannot
+            skip its all-reduce.
+    """
+    if len(models) == 1:
+        return _no_sync_one(models[0], caller)
+    return _no_sync_all(models, caller)
+
+
+def _no_sync_one(wrapped: nn.Module, caller: str) -> AbstractContextManager[None]:
+    model = inside_compile(wrapped)
+    if isinstance(model, DistributedDataParallel):
+        if model.static_graph:
+            msg = (
+                f"{caller}: the model's DDP was built with static_graph=True, which "
+                "cannot skip the gradient all-reduce (torch fails inside "
+                "no_sync()); build it with static_graph=False, or, with "
+                "accumulate_step or sync_ctx, all-reduce on every micro-step with "
+                "GradState(..., sync_each_batch=True)."
+            )
+            raise ValueError(msg)
+        manager: AbstractContextManager[None] = model.no_sync()
+        return manager
+    if is_fsdp_module(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _no_sync_all(models: tuple[nn.Module, ...], caller: str) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(_no_sync_one(model, caller))
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+    try:  # entered before the switch, so that a switch failing half-way is undone
+        model.set_requires_gradient_sync(False)
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
