@@ -30,6 +30,7 @@ from torch.amp.grad_scaler import OptState
 from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
+from funcaccel._checks import check_type
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_zero_parameter
@@ -98,12 +99,7 @@ def autocast_ctx(
     torch.float32
     """
     check_context(ctx, "autocast_ctx")
-    if kwargs is not None and not isinstance(kwargs, AutocastKwargs):
-        msg = (
-            f"autocast_ctx: kwargs must be an AutocastKwargs or None; got "
-            f"{summary(kwargs)} ({type(kwargs).__name__})."
-        )
-        raise TypeError(msg)
+    check_type("autocast_ctx", "kwargs", kwargs, AutocastKwargs, optional=True)
     dtype = autocast_dtype(ctx.mixed_precision)
     if dtype is None:
         return contextlib.nullcontext()
@@ -131,12 +127,7 @@ def build_grad_scaler(
     True
     """
     check_context(ctx, "build_grad_scaler")
-    if kwargs is not None and not isinstance(kwargs, GradScalerKwargs):
-        msg = (
-            f"build_grad_scaler: kwargs must be a GradScalerKwargs or None; got "
-            f"{summary(kwargs)} ({type(kwargs).__name__})."
-        )
-        raise TypeError(msg)
+    check_type("build_grad_scaler", "kwargs", kwargs, GradScalerKwargs, optional=True)
     if ctx.mixed_precision != "fp16":
         return None
     options = kwargs.to_kwargs() if kwargs is not None else {}

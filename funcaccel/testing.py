@@ -28,6 +28,7 @@ import torch.distributed as dist
 from typing_extensions import TypeVarTuple
 from typing_extensions import Unpack
 
+from funcaccel._checks import fail_type
 from funcaccel.context import CollectiveTimeout
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
@@ -145,8 +146,7 @@ def run_ranks(
         TypeError, ValueError: see ``launch``.
     """
     if not callable(fn):
-        msg = f"run_ranks: fn must be callable; got {fn!r} ({type(fn).__name__})."
-        raise TypeError(msg)
+        fail_type("run_ranks", "fn", fn, "callable")
     if world_size == 1:
         return [fn(rank_ctx(1, 0), *args)]
     call: Callable[..., object] = _call_with_ctx  # fn's types are checked above
