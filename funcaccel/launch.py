@@ -377,16 +377,19 @@ def _wait_for_exits(
     deadline.
     """
     n = len(processes)
-    for rank, process in enumerate(processes):
+    for process in processes:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         process.join(timeout=left)
-        if process.exitcode is None:
-            msg = (
-                f"launch: rank {rank} of {n} returned its result but did not exit "
-                f"within timeout_s={timeout_s} s (a hang at interpreter exit: a "
-                "thread or process group still alive?); it was killed."
-            )
-            raise TimeoutError(msg)
+    hanging = [rank for rank, p in enumerate(processes) if p.exitcode is None]
+    if hanging:
+        plural = "s" if len(hanging) > 1 else ""
+        msg = (
+            f"launch: rank{plural} {hanging} of {n} returned their results but did "
+            f"not exit within timeout_s={timeout_s} s (a hang at interpreter exit: "
+            "a thread or process group still alive?) and were killed."
+        )
+        raise TimeoutError(msg)
+    for rank, process in enumerate(processes):
         if process.exitcode != 0:
             msg = (
                 f"{_how_it_ended(rank, process.exitcode, n)} after returning its "

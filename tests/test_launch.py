@@ -161,12 +161,14 @@ def test_launch_reports_a_rank_that_crashed_after_returning() -> None:
 
 @pytest.mark.distributed
 def test_launch_bounds_a_rank_that_hangs_at_exit_by_timeout_s() -> None:
+    # timeout_s bounds the whole run, exits included; it is generous so that a
+    # loaded machine's slow start and exit of rank 0 stay within it.
     start = time.monotonic()
     with pytest.raises(
-        TimeoutError, match=r"^launch: rank 1 of 2 returned its result but did not exit"
+        TimeoutError, match=r"^launch: ranks? \[(0, )?1\] of 2 returned"
     ):
-        launch(_hang_at_exit_on_rank_one, num_processes=2, timeout_s=20)
-    assert time.monotonic() - start < 60
+        launch(_hang_at_exit_on_rank_one, num_processes=2, timeout_s=45)
+    assert time.monotonic() - start < 120
 
 
 @pytest.mark.distributed
