@@ -87,7 +87,9 @@ def _measure(variants: dict[str, Run], repeats: int) -> dict[str, list[float]]:
 def _table(title: str, samples: dict[str, list[float]], reference: str) -> None:
     base = samples[reference]
     print(f"\n## {title}\n")
-    print("| variant | median ms | IQR ms | min ms | ratio of medians | median paired ratio |")
+    print(
+        "| variant | median ms | IQR ms | min ms | ratio of medians | median paired ratio |"
+    )
     print("|---|---|---|---|---|---|")
     for name, values in samples.items():
         q1, median, q3 = _quartiles(values)
@@ -149,8 +151,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=64, help="rows per micro-batch")
-    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per window")
-    parser.add_argument("--dir", type=Path, default=None, help="where files go (a temporary dir)")
+    parser.add_argument(
+        "--accumulation", type=int, default=4, help="micro-batches per window"
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where files go (a temporary dir)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ctx = DistributedContext()
@@ -211,7 +217,9 @@ def main() -> None:
         return save_checkpoint(ctx, root, models=model, optimizers=opt)
 
     def async_save(root: Path) -> object:
-        return save_checkpoint(ctx, root, models=model, optimizers=opt, asynchronous=True)
+        return save_checkpoint(
+            ctx, root, models=model, optimizers=opt, asynchronous=True
+        )
 
     # As a training loop saves: each save gets the previous one's handle, so it
     # stages into that save's CPU copy. Its wait() ran before (outside the timing),

@@ -188,7 +188,11 @@ def _spawn(world: int, variant: str, args: argparse.Namespace) -> list[dict[str,
 def _table(world: int, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     reference = max(r["peak"] for r in runs[REFERENCE])
     cuda = runs[REFERENCE][0]["cuda_peak"] is not None
-    gpu_head, gpu_rule = (" GPU peak MiB (max rank) | GPU peak / plain DDP |", "---|---|") if cuda else ("", "")
+    gpu_head, gpu_rule = (
+        (" GPU peak MiB (max rank) | GPU peak / plain DDP |", "---|---|")
+        if cuda
+        else ("", "")
+    )
     lines = [
         f"{world} processes",
         "",
@@ -245,7 +249,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     if args.cuda and torch.cuda.device_count() < max(worlds):
-        parser.error(f"--cuda needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
+        parser.error(
+            f"--cuda needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible"
+        )
     numel = sum(p.numel() for p in _build(args).parameters())
     print(
         f"MLP of {numel / 1e6:.1f}M float32 parameters ({numel * 4 / MiB:.0f} MiB), "

@@ -67,7 +67,17 @@ NodeKind = Literal["leaf", "mapping", "list", "tuple", "namedtuple", "dataclass"
 # Exact types that are always leaves or always nodes, tested before the slower
 # isinstance checks against ABCs: a batch may hold thousands of atoms.
 _ATOMS: Final = frozenset(
-    {int, float, complex, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter}
+    {
+        int,
+        float,
+        complex,
+        bool,
+        str,
+        bytes,
+        type(None),
+        torch.Tensor,
+        torch.nn.Parameter,
+    }
 )
 _PLAIN_NODES: Final = frozenset({dict, list, tuple})
 
@@ -116,9 +126,8 @@ def is_node(data: object) -> bool:
         return True
     if isinstance(data, torch.Tensor):  # a tensor subclass
         return False
-    return (
-        isinstance(data, (Mapping, list, tuple))
-        or (dataclasses.is_dataclass(data) and not isinstance(data, type))
+    return isinstance(data, (Mapping, list, tuple)) or (
+        dataclasses.is_dataclass(data) and not isinstance(data, type)
     )
 
 
@@ -243,7 +252,9 @@ def _rebuild(data: Any, leaves: Iterator[Any]) -> Any:
     return _refill(data, node, keys, [_rebuild(child, leaves) for child in children])
 
 
-def _refill(template: Any, node: NodeKind, keys: tuple[Any, ...], items: list[Any]) -> Any:
+def _refill(
+    template: Any, node: NodeKind, keys: tuple[Any, ...], items: list[Any]
+) -> Any:
     """Return a new container like ``template`` holding ``items``."""
     kind: Any = type(template)
     if node == "mapping":

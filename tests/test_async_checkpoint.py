@@ -92,7 +92,8 @@ def test_the_checkpoint_holds_the_staged_values_not_later_ones(
     assert not pending.done() and latest_checkpoint(tmp_path) is None
     release.set()
     assert pending.wait() == tmp_path / "checkpoint-000001"
-    assert pending.done() and pending.wait() == pending.path  # a second wait returns too
+    # a second wait returns too
+    assert pending.done() and pending.wait() == pending.path
     assert set(threads) == {"funcaccel-save-checkpoint-000001"}
     assert latest_checkpoint(tmp_path) == pending.path
     fresh, fresh_opt = _model(seed=1)
@@ -108,9 +109,16 @@ def test_an_async_checkpoint_has_the_files_and_hashes_of_a_sync_one(
 ) -> None:
     model, opt = _model()
     _train(model, opt)
-    sync = save_checkpoint(ONE, tmp_path / "sync", models=model, optimizers=opt, save_rng=False)
+    sync = save_checkpoint(
+        ONE, tmp_path / "sync", models=model, optimizers=opt, save_rng=False
+    )
     pending = save_checkpoint(
-        ONE, tmp_path / "async", models=model, optimizers=opt, save_rng=False, asynchronous=True
+        ONE,
+        tmp_path / "async",
+        models=model,
+        optimizers=opt,
+        save_rng=False,
+        asynchronous=True,
     )
     meta_sync = read_checkpoint_meta(sync, verify=True)
     meta_async = read_checkpoint_meta(pending.wait(), verify=True)
@@ -147,7 +155,9 @@ def test_the_next_save_stages_into_the_memory_of_the_one_passed_to_it(
     model, opt = _model()
     _train(model, opt)
     before = _copy(model)
-    first = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    first = save_checkpoint(
+        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
+    )
     memory = _staging(first)
     _train(model, opt)  # the next window changes every parameter and momentum
     after = _copy(model)
@@ -158,7 +168,12 @@ def test_the_next_save_stages_into_the_memory_of_the_one_passed_to_it(
     # Another layout (a second model) cannot reuse it: fresh memory, right values.
     other, _ = _model(seed=1)
     third = save_checkpoint(
-        ONE, tmp_path, models=[model, other], optimizers=opt, asynchronous=True, pending=second
+        ONE,
+        tmp_path,
+        models=[model, other],
+        optimizers=opt,
+        asynchronous=True,
+        pending=second,
     )
     assert not _staging(third) & memory
     paths = [first.wait(), second.wait(), third.wait()]
@@ -180,7 +195,9 @@ def test_a_marker_left_by_a_killed_process_does_not_block_the_next_save(
     stale = tmp_path / ".checkpoint-000001.tmp"
     stale.mkdir(parents=True)
     (stale / ".async-save-otherhost-1").touch()
-    assert save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000001"
+    assert (
+        save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000001"
+    )
 
 
 def test_a_background_failure_is_raised_by_wait_and_the_previous_stays_latest(
@@ -204,7 +221,9 @@ def test_a_background_failure_is_raised_by_wait_and_the_previous_stays_latest(
         pending.wait()  # the same failure again, no second commit
     assert latest_checkpoint(tmp_path) == previous
     monkeypatch.setattr(funcaccel.checkpoint._layout, "write_torch_file", _write)
-    assert save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000002"
+    assert (
+        save_checkpoint(ONE, tmp_path, models=model) == tmp_path / "checkpoint-000002"
+    )
 
 
 # --- what only the optimizers change is copied after the return -------------------
@@ -235,9 +254,13 @@ def test_a_step_waits_for_the_copy_and_forward_backward_do_not(
     model, opt = _bn_model()
     _train(model, opt)
     saved = _copy(model)
-    saved_state = {k: v.clone() for k, v in opt.state[model.get_parameter("0.weight")].items()}
+    saved_state = {
+        k: v.clone() for k, v in opt.state[model.get_parameter("0.weight")].items()
+    }
     release = _held_copy(monkeypatch)
-    pending = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    pending = save_checkpoint(
+        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
+    )
     assert "staging" in repr(pending)
     # The next micro-step's forward and backward run while the copy is held: the
     # BatchNorm running statistics (no optimizer changes them) were copied already.
@@ -273,7 +296,9 @@ def test_an_in_place_change_before_the_copy_fails_the_save_not_silently(
     _train(model, opt)
     previous = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt)
     release = _held_copy(monkeypatch)
-    pending = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    pending = save_checkpoint(
+        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
+    )
     last_bias = list(model.parameters())[-1]  # the state dict's 2.bias
     with torch.no_grad():
         last_bias.add_(1.0)  # not through the optimizer: nothing waits
@@ -287,7 +312,9 @@ def test_an_in_place_change_before_the_copy_fails_the_save_not_silently(
     assert not opt._optimizer_step_pre_hooks
     # The same change after wait_staged() is safe, and the save holds the old value.
     before = _copy(model)
-    pending = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt, asynchronous=True)
+    pending = save_checkpoint(
+        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
+    )
     pending.wait_staged()
     with torch.no_grad():
         last_bias.add_(1.0)
@@ -314,7 +341,9 @@ def test_without_optimizers_everything_is_copied_before_the_return(
 
 
 def test_asynchronous_must_be_a_bool(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"save_checkpoint: asynchronous must be a bool; got 1 \(int\)"):
+    with pytest.raises(
+        TypeError, match=r"save_checkpoint: asynchronous must be a bool; got 1 \(int\)"
+    ):
         save_checkpoint(ONE, tmp_path, models=nn.Linear(1, 1), asynchronous=1)  # type: ignore[call-overload]
     assert not tmp_path.joinpath("checkpoint-000001").exists()
 
@@ -334,7 +363,9 @@ def _async_save_then_die(rank: int, world: int, tmp: Path, root: Path) -> None:
         raise AssertionError("unreachable")
 
     funcaccel.checkpoint._layout.write_torch_file = dying_write
-    pending = save_checkpoint(ONE, root, models=model, extra={"which": "second"}, asynchronous=True)
+    pending = save_checkpoint(
+        ONE, root, models=model, extra={"which": "second"}, asynchronous=True
+    )
     _train(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=100)
     pending.wait()
 
@@ -379,15 +410,23 @@ def _ddp_async(ctx: DistributedContext, root: Path, fsdp: bool) -> dict[str, obj
         return write_data(self, *args)
 
     FileSystemWriter.write_data = held  # type: ignore[method-assign, assignment]
-    pending = save_checkpoint(ctx, root, models=model, optimizers=opt, asynchronous=True)
+    pending = save_checkpoint(
+        ctx, root, models=model, optimizers=opt, asynchronous=True
+    )
     _train(model, opt, steps=2)  # every rank trains on before waiting
     trained.set()
     path = pending.wait()
     FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     torch.manual_seed(7)
     fresh_net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
-    fresh = wrap_model(ctx, fresh_net, fsdp=FSDPOptions()) if fsdp else wrap_model(ctx, fresh_net)
-    load_checkpoint(ctx, path, models=fresh, optimizers=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    fresh = (
+        wrap_model(ctx, fresh_net, fsdp=FSDPOptions())
+        if fsdp
+        else wrap_model(ctx, fresh_net)
+    )
+    load_checkpoint(
+        ctx, path, models=fresh, optimizers=torch.optim.SGD(fresh.parameters(), lr=0.1)
+    )
     loaded = _full(fresh)
     return {"path": path, "staged": staged, "loaded": loaded, "writers": writers}
 
@@ -401,15 +440,18 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_ranks_save_asynchronously_and_wait_on_each(tmp_path: Path, fsdp: bool) -> None:
+def test_two_ranks_save_asynchronously_and_wait_on_each(
+    tmp_path: Path, fsdp: bool
+) -> None:
     root = tmp_path / "run"
     results = run_ranks(_ddp_async, 2, tmp_path / "ranks", root, fsdp)
     for result in results:
         assert result["path"] == root / "checkpoint-000001"
         assert _same(result["loaded"], result["staged"])  # type: ignore[arg-type]
-        writers = result["writers"]
+        writers: list[tuple[str, bool]] = result["writers"]  # type: ignore[assignment]
         if fsdp:  # DCP wrote in its thread, released only after the training steps
-            assert len(writers) == 1 and writers[0][0] != "MainThread" and writers[0][1], writers  # type: ignore[arg-type, index]
+            assert len(writers) == 1, writers
+            assert writers[0][0] != "MainThread" and writers[0][1], writers
         else:
             assert writers == []  # no DCP for DDP
     meta = read_checkpoint_meta(root / "checkpoint-000001", verify=True)

@@ -143,14 +143,21 @@ def test_bench_export_runs() -> None:
     out = _run("bench_export", "--repeats", 2, "--hidden", 32, "--layers", 2)
     # The rows of windows without a save have no call time ("-"), so only the
     # saves' rows are all numbers; the windows' rows must be there all the same.
-    assert "| a window, no save | " in out and "| a window, no save, again (noise control) | " in out
+    assert (
+        "| a window, no save | " in out
+        and "| a window, no save, again (noise control) | " in out
+    )
     stall = [
         "synchronous save_checkpoint",
         "synchronous again (noise control)",
         "asynchronous, first save",
         "asynchronous, next save (pending=)",
     ]
-    export = ["safetensors.torch.save_file", "save_file again (noise control)", "save_model"]
+    export = [
+        "safetensors.torch.save_file",
+        "save_file again (noise control)",
+        "save_model",
+    ]
     durable = [
         "save_file, fsync of file and directory, rename, fsync of parent",
         "the same again (noise control)",
@@ -160,8 +167,14 @@ def test_bench_export_runs() -> None:
     one = ["1.000×", "1.000×"]  # ratio of medians, median paired ratio
     _check_rows(out, stall + export + durable, 5, {export[0]: one, durable[0]: one})
     rows = dict(_numeric_rows(out))
-    assert rows[stall[0]][3] == "1.000×"  # blocked / synchronous, of the synchronous save
-    assert out.index("## Training stall") < out.index("## Export of the model") < out.index("## Durable export")
+    assert (
+        rows[stall[0]][3] == "1.000×"
+    )  # blocked / synchronous, of the synchronous save
+    assert (
+        out.index("## Training stall")
+        < out.index("## Export of the model")
+        < out.index("## Durable export")
+    )
 
 
 def _bench_import_module() -> ModuleType:

@@ -72,7 +72,13 @@ def _reference(world: int) -> dict[str, torch.Tensor]:
     x, y = _data(world)
     for first in range(0, MICRO, K):
         steps = range(first, min(first + K, MICRO))
-        rows = torch.cat([torch.arange(MICRO * world * BATCH)[_batch(s, r, world)] for s in steps for r in range(world)])
+        rows = torch.cat(
+            [
+                torch.arange(MICRO * world * BATCH)[_batch(s, r, world)]
+                for s in steps
+                for r in range(world)
+            ]
+        )
         loss = nn.functional.mse_loss(net(x[rows]), y[rows])
         torch.autograd.backward(loss)
         opt.step()
@@ -118,7 +124,13 @@ def _items_reference(world: int) -> dict[str, torch.Tensor]:
     mask = _items_mask(world)
     for first in range(0, MICRO, K):
         steps = range(first, min(first + K, MICRO))
-        rows = torch.cat([torch.arange(MICRO * world * BATCH)[_batch(s, r, world)] for s in steps for r in range(world)])
+        rows = torch.cat(
+            [
+                torch.arange(MICRO * world * BATCH)[_batch(s, r, world)]
+                for s in steps
+                for r in range(world)
+            ]
+        )
         errors = (net(x[rows]) - y[rows]) ** 2 * mask[rows, None]
         items = mask[rows].sum() * 2
         torch.autograd.backward(errors.sum() / items)
@@ -128,7 +140,10 @@ def _items_reference(world: int) -> dict[str, torch.Tensor]:
 
 
 def _train_items(
-    ctx: DistributedContext, model: nn.Module, opt: torch.optim.Optimizer, grad: GradState
+    ctx: DistributedContext,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    grad: GradState,
 ) -> GradState:
     x, y = _data(ctx.num_processes)
     mask = _items_mask(ctx.num_processes)
@@ -147,7 +162,9 @@ def _train_items(
     return grad
 
 
-def _full_state(model: nn.Module, tmp: Path, ctx: DistributedContext) -> dict[str, torch.Tensor]:
+def _full_state(
+    model: nn.Module, tmp: Path, ctx: DistributedContext
+) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     save_model(ctx, model, tmp)
@@ -156,15 +173,23 @@ def _full_state(model: nn.Module, tmp: Path, ctx: DistributedContext) -> dict[st
 
 def _engine(
     ctx: DistributedContext, stage: int, seed: int = 1
-) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, GradState]:
+) -> tuple[
+    nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, GradState
+]:
     net = _net(seed)
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     sched = _schedule(opt)
     grad = GradState(accumulation_steps=K)
     # ZeRO-3 would keep parameters this small whole on every rank; partition all.
-    config = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
+    config = (
+        {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+        if stage == 3
+        else None
+    )
     options = DeepSpeedOptions(config=config, zero_stage=stage)
-    engine = wrap_model(ctx, net, deepspeed=options, optimizers=opt, scheduler=sched, grad=grad)
+    engine = wrap_model(
+        ctx, net, deepspeed=options, optimizers=opt, scheduler=sched, grad=grad
+    )
     return engine, opt, sched, grad
 
 
@@ -187,24 +212,32 @@ def _ds_worker(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
     opt: torch.optim.Optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     ddp = wrap_model(ctx, net)
     _train(ctx, ddp, opt, _schedule(opt), GradState(accumulation_steps=K), range(MICRO))
-    out["ddp"] = {k: v.detach().clone() for k, v in unwrap_model(ddp).state_dict().items()}
+    out["ddp"] = {
+        k: v.detach().clone() for k, v in unwrap_model(ddp).state_dict().items()
+    }
     for stage in (2, 3):
         engine, opt, sched, grad = _engine(ctx, stage)
         grad = _train(ctx, engine, opt, sched, grad, range(MICRO))
         out[f"zero{stage}"] = _full_state(engine, tmp / f"export{stage}", ctx)
         out[f"steps{stage}"] = grad.optimizer_steps
         out[f"local{stage}"] = sum(p.numel() for p in unwrap_model(engine).parameters())
-        out[f"clip{stage}"] = _refused(lambda: clip_grad_norm_(engine.parameters(), 1.0))
+        out[f"clip{stage}"] = _refused(
+            lambda: clip_grad_norm_(engine.parameters(), 1.0)
+        )
         if stage == 2:
             out["with_optimizer"] = _refused(
-                lambda: save_checkpoint(ctx, tmp / "refused", models=engine, optimizers=opt)
+                lambda: save_checkpoint(
+                    ctx, tmp / "refused", models=engine, optimizers=opt
+                )
             )
     # Token-weighted windows (num_items): funcaccel's DDP and ZeRO-2.
     net = _net()
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     ddp = wrap_model(ctx, net)
     _train_items(ctx, ddp, opt, GradState(accumulation_steps=K))
-    out["ddp_items"] = {k: v.detach().clone() for k, v in unwrap_model(ddp).state_dict().items()}
+    out["ddp_items"] = {
+        k: v.detach().clone() for k, v in unwrap_model(ddp).state_dict().items()
+    }
     engine, opt, _, grad = _engine(ctx, 2)
     grad = _train_items(ctx, engine, opt, grad)
     out["zero2_items"] = _full_state(engine, tmp / "export_items", ctx)
@@ -221,7 +254,9 @@ def _ds_worker(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
         loaded = load_checkpoint(ctx, latest_checkpoint(run) or saved, models=engine)
         assert loaded.grad is not None
         grad = _train(ctx, engine, opt, sched, loaded.grad, range(K, MICRO))
-        out[f"resumed{stage}"] = _full_state(engine, tmp / f"export_resumed{stage}", ctx)
+        out[f"resumed{stage}"] = _full_state(
+            engine, tmp / f"export_resumed{stage}", ctx
+        )
         out[f"resumed_steps{stage}"] = grad.optimizer_steps
         out[f"resumed_lr{stage}"] = sched.get_last_lr()
     return out
@@ -238,7 +273,9 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
         for name in ("ddp", "zero2", "zero3"):
             assert rank[name].keys() == reference.keys(), name
             for key, value in reference.items():
-                torch.testing.assert_close(rank[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key}")
+                torch.testing.assert_close(
+                    rank[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key}"
+                )
         assert rank["steps2"] == rank["steps3"] == 3
         assert rank["local2"] == 58 and rank["local3"] == 0  # ZeRO-3 partitioned them
         for stage in (2, 3):
@@ -247,13 +284,18 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
                 assert torch.equal(rank[f"resumed{stage}"][key], value), (stage, key)
             assert rank[f"resumed_steps{stage}"] == 3
             assert rank[f"resumed_lr{stage}"] == [LR * 0.5**3]
-            assert any(name.startswith("deepspeed/state/") for name in rank[f"saved_files{stage}"])
+            assert any(
+                name.startswith("deepspeed/state/")
+                for name in rank[f"saved_files{stage}"]
+            )
         assert "pass optimizers=() with it" in rank["with_optimizer"]
         items_reference = _items_reference(2)
         assert rank["steps_items"] == 3
         for name in ("ddp_items", "zero2_items"):
             for key, value in items_reference.items():
-                torch.testing.assert_close(rank[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key}")
+                torch.testing.assert_close(
+                    rank[name][key], value, rtol=1e-6, atol=1e-7, msg=f"{name} {key}"
+                )
     # The ZeRO-3 export loads into the plain model, every parameter whole.
     plain = _net(seed=7)
     plain.load_state_dict(results[0]["zero3"], strict=True)
@@ -262,20 +304,34 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
 
 
 def test_engine_checkpoint_format_mismatch_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"holds a DeepSpeed engine's checkpoint; pass the engine"):
-        check_engine_format("deepspeed", 2, [nn.Linear(1, 1)], 2, tmp_path, "load_checkpoint")
+    with pytest.raises(
+        ValueError, match=r"holds a DeepSpeed engine's checkpoint; pass the engine"
+    ):
+        check_engine_format(
+            "deepspeed", 2, [nn.Linear(1, 1)], 2, tmp_path, "load_checkpoint"
+        )
     check_engine_format("torch", 2, [nn.Linear(1, 1)], 2, tmp_path, "load_checkpoint")
 
 
 def test_config_conflict_names_both_values() -> None:
     options = DeepSpeedOptions(config={"gradient_accumulation_steps": 4})
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4, but GradState.accumulation_steps is 2"):
-        merged_config(rank_ctx(2, 0), options, GradState(accumulation_steps=2), caller="wrap_model")
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_accumulation_steps=4, but GradState.accumulation_steps is 2",
+    ):
+        merged_config(
+            rank_ctx(2, 0),
+            options,
+            GradState(accumulation_steps=2),
+            caller="wrap_model",
+        )
 
 
 def test_precision_conflict_names_both_values() -> None:
     options = DeepSpeedOptions(config={"bf16": {"enabled": True}})
-    with pytest.raises(ValueError, match=r"bf16.enabled=True, but ctx.mixed_precision is 'no'"):
+    with pytest.raises(
+        ValueError, match=r"bf16.enabled=True, but ctx.mixed_precision is 'no'"
+    ):
         merged_config(rank_ctx(2, 0), options, GradState(), caller="wrap_model")
 
 
@@ -283,7 +339,10 @@ def test_options_field_disagreeing_with_config_is_refused(tmp_path: Path) -> Non
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     assert DeepSpeedOptions(config=path).stage == 3
-    with pytest.raises(ValueError, match=r"zero_stage=2 disagrees with the config's zero_optimization.stage=3"):
+    with pytest.raises(
+        ValueError,
+        match=r"zero_stage=2 disagrees with the config's zero_optimization.stage=3",
+    ):
         DeepSpeedOptions(config=path, zero_stage=2)
     with pytest.raises(ValueError, match=r"must be 1, 2 or 3; got 0"):
         DeepSpeedOptions(zero_stage=0)

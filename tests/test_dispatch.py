@@ -301,7 +301,9 @@ def _structures(ctx: DistributedContext) -> dict[str, Any]:
             for b in batches
         ]
     for dispatch in (False, True):
-        dataloader = DataLoader(Indexed(12), batch_size=2, collate_fn=collate_defaultdict)
+        dataloader = DataLoader(
+            Indexed(12), batch_size=2, collate_fn=collate_defaultdict
+        )
         batches = list(shard_loader(ctx, dataloader, dispatch_batches=dispatch))
         out[f"defaultdict-{dispatch}"] = [_describe_mappings(b) for b in batches]
     dataloader = DataLoader(Indexed(5), batch_size=2)
@@ -603,7 +605,8 @@ def test_dispatch_keeps_defaultdict_batches_as_sharding_does(
         dispatched = result["structures"]["defaultdict-True"]
         assert dispatched == sharded
         assert dispatched and all(
-            (b["type"], b["factory"], b["nested"]) == ("defaultdict", "list", "OrderedDict")
+            (b["type"], b["factory"], b["nested"])
+            == ("defaultdict", "list", "OrderedDict")
             for b in dispatched
         )
 

@@ -44,7 +44,9 @@ class _LM(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.norm(self.body(self.embed_tokens(tokens))))
+        out: torch.Tensor = self.lm_head(
+            self.norm(self.body(self.embed_tokens(tokens)))
+        )
         return out
 
 
@@ -77,7 +79,9 @@ def test_a_small_model_is_one_file_holding_its_state_dict(tmp_path: Path) -> Non
         assert file.metadata() == {"format": "pt"}  # transformers checks it
 
 
-def test_a_model_above_max_shard_size_writes_shards_and_an_index(tmp_path: Path) -> None:
+def test_a_model_above_max_shard_size_writes_shards_and_an_index(
+    tmp_path: Path,
+) -> None:
     model = _LM(vocab=40, width=8)
     # embed 40x8 floats = 1280 bytes, body 288, norm 64, lm_head tied: 1632 in all.
     out = save_model(ONE, model, tmp_path / "out", max_shard_size=1000)
@@ -103,7 +107,9 @@ def test_a_model_above_max_shard_size_writes_shards_and_an_index(tmp_path: Path)
     assert _same(_files(out), _expected(model))
 
 
-def test_a_file_is_closed_when_the_next_tensor_would_overflow_it(tmp_path: Path) -> None:
+def test_a_file_is_closed_when_the_next_tensor_would_overflow_it(
+    tmp_path: Path,
+) -> None:
     # embed 1280 bytes (alone: above the limit), body 256 + 32, norm 32 + 32.
     out = save_model(ONE, _LM(vocab=40, width=8), tmp_path / "out", max_shard_size=300)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -137,7 +143,9 @@ def test_views_of_one_storage_are_written_as_separate_tensors(tmp_path: Path) ->
             self.register_buffer("high", whole[4:])
 
     out = save_model(ONE, Halves(), tmp_path / "out")
-    assert _same(_files(out), {"low": torch.arange(4.0), "high": torch.arange(4.0, 8.0)})
+    assert _same(
+        _files(out), {"low": torch.arange(4.0), "high": torch.arange(4.0, 8.0)}
+    )
 
 
 def test_pytorch_model_bin_with_safe_serialization_false(tmp_path: Path) -> None:
@@ -151,7 +159,9 @@ def test_pytorch_model_bin_with_safe_serialization_false(tmp_path: Path) -> None
     assert _same(fresh.state_dict(), model.state_dict())
     # Sharded .bin files get their index too.
     model = _LM(vocab=40, width=8)
-    sharded = save_model(ONE, model, tmp_path / "bin", max_shard_size="1KB", safe_serialization=False)
+    sharded = save_model(
+        ONE, model, tmp_path / "bin", max_shard_size="1KB", safe_serialization=False
+    )
     assert (sharded / "pytorch_model.bin.index.json").is_file()
     assert (sharded / "pytorch_model-00002-of-00002.bin").is_file()
 
@@ -161,7 +171,9 @@ def test_pytorch_model_bin_with_safe_serialization_false(tmp_path: Path) -> None
     [(123, 123), ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("10KB", 10_000),
      ("2GiB", 2 * 2**30), ("3MiB", 3 * 2**20), ("1kib", 1024), ("8Mb", 10**6)],
 )  # fmt: skip
-def test_max_shard_size_reads_as_transformers_reads_it(size: int | str, expected: int) -> None:
+def test_max_shard_size_reads_as_transformers_reads_it(
+    size: int | str, expected: int
+) -> None:
     from funcaccel.checkpoint._export_plan import parse_shard_size
 
     assert parse_shard_size(size, caller="save_model") == expected
@@ -191,7 +203,9 @@ def test_save_model_rejects_bad_arguments(
 def test_save_and_load_reject_what_is_not_a_model_or_context(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"save_model: model must be a torch.nn.Module"):
         save_model(ONE, {"w": torch.ones(1)}, tmp_path)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"load_model: ctx must be a DistributedContext"):
+    with pytest.raises(
+        TypeError, match=r"load_model: ctx must be a DistributedContext"
+    ):
         load_model(None, nn.Linear(1, 1), tmp_path)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"load_model: .* holds no exported model"):
         load_model(ONE, nn.Linear(1, 1), tmp_path)
@@ -212,8 +226,14 @@ def test_load_names_every_missing_unexpected_and_misshapen_key(tmp_path: Path) -
         load_model(ONE, fresh, out)
     message = str(raised.value)
     assert message.startswith(f"load_model: the export in {out} does not fit the model")
-    assert "missing keys (in the model, not in the export): extra.weight, extra.bias" in message
-    assert "unexpected keys (in the export, not in the model): norm.bias, norm.weight" in message
+    assert (
+        "missing keys (in the model, not in the export): extra.weight, extra.bias"
+        in message
+    )
+    assert (
+        "unexpected keys (in the export, not in the model): norm.bias, norm.weight"
+        in message
+    )
     assert "embed_tokens.weight: saved [11, 6], model [11, 5]" in message
     assert "body.weight: saved [6, 6], model [5, 5]" in message
     assert _same(fresh.state_dict(), before)  # nothing was loaded
@@ -225,11 +245,17 @@ def test_an_index_naming_a_file_outside_the_export_is_refused(tmp_path: Path) ->
     index = json.loads(index_path.read_text())
     index["weight_map"]["body.bias"] = "../../etc/passwd"
     index_path.write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"names '../../etc/passwd', which is not a plain relative path"):
+    with pytest.raises(
+        ValueError,
+        match=r"names '../../etc/passwd', which is not a plain relative path",
+    ):
         load_model(ONE, _LM(vocab=40, width=8), out)
     index["weight_map"]["body.bias"] = "model-00001-of-00002.safetensors"
     index_path.write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"maps 'body.bias' to model-00001-of-00002.safetensors, which does not hold it"):
+    with pytest.raises(
+        ValueError,
+        match=r"maps 'body.bias' to model-00001-of-00002.safetensors, which does not hold it",
+    ):
         load_model(ONE, _LM(vocab=40, width=8), out)
 
 
@@ -240,7 +266,11 @@ def test_a_new_export_keeps_other_files_and_drops_stale_shards(tmp_path: Path) -
     (out / "tokenizer").mkdir()
     (out / "tokenizer" / "vocab.txt").write_text("a b")
     save_model(ONE, model, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer",
+    ]
     assert (out / "tokenizer" / "vocab.txt").read_text() == "a b"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary left
 
@@ -260,7 +290,10 @@ def test_a_write_failing_after_the_first_shard_leaves_the_previous_export(
         written.append(path)
 
     monkeypatch.setattr(funcaccel.checkpoint._export_files, "write_shard", failing)
-    with pytest.raises(RuntimeError, match=r"save_model: the export was not written .* rank 0: writing .*model-00002-of-00002.safetensors failed: disk full"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"save_model: the export was not written .* rank 0: writing .*model-00002-of-00002.safetensors failed: disk full",
+    ):
         save_model(ONE, _LM(vocab=40, width=8, seed=1), out, max_shard_size=1000)
     assert written and written[0].parent.name == ".out.export.tmp"
     assert _same(_files(out), _expected(first))
@@ -276,9 +309,13 @@ def test_durable_fsyncs_every_file_and_directory_and_the_default_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, safe: bool, exchange: bool
 ) -> None:
     model = _LM(vocab=40, width=8)
-    out = save_model(ONE, model, tmp_path / "out", max_shard_size=1000, safe_serialization=safe)
+    out = save_model(
+        ONE, model, tmp_path / "out", max_shard_size=1000, safe_serialization=safe
+    )
     if not exchange:
-        monkeypatch.setattr(funcaccel.checkpoint._export_dir, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(
+            funcaccel.checkpoint._export_dir, "_exchange", lambda a, b: False
+        )
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -289,7 +326,9 @@ def test_durable_fsyncs_every_file_and_directory_and_the_default_none(
     monkeypatch.setattr(os, "fsync", recording_fsync)
     save_model(ONE, model, out, max_shard_size=1000, safe_serialization=safe)
     assert synced == []  # the default: atomic against a kill, no waiting for the disk
-    save_model(ONE, model, out, max_shard_size=1000, safe_serialization=safe, durable=True)
+    save_model(
+        ONE, model, out, max_shard_size=1000, safe_serialization=safe, durable=True
+    )
     names = sorted(p.name for p in out.iterdir())
     assert len(names) > 2  # several shards and the index
     temporary = tmp_path / ".out.export.tmp"
@@ -301,7 +340,9 @@ def test_durable_fsyncs_every_file_and_directory_and_the_default_none(
     fresh = _LM(vocab=40, width=8, seed=3)
     load_model(ONE, fresh, out)
     assert _same(fresh.state_dict(), model.state_dict())
-    with pytest.raises(TypeError, match=r"save_model: durable must be a bool; got 'yes'"):
+    with pytest.raises(
+        TypeError, match=r"save_model: durable must be a bool; got 'yes'"
+    ):
         save_model(ONE, model, out, durable="yes")  # type: ignore[arg-type]
 
 
@@ -312,7 +353,9 @@ def test_a_kill_during_the_swap_leaves_an_export_loadable(
     first, second = _LM(seed=0), _LM(seed=1)
     out = save_model(ONE, first, tmp_path / "out")
     if not exchange:  # the two-rename fallback (no renameat2)
-        monkeypatch.setattr(funcaccel.checkpoint._export_dir, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(
+            funcaccel.checkpoint._export_dir, "_exchange", lambda a, b: False
+        )
     renames: list[tuple[object, ...]] = []
     real_rename = os.rename
 
@@ -373,7 +416,9 @@ def _trained(ctx: DistributedContext, how: str) -> nn.Module:
     elif how == "fsdp":
         model = wrap_model(ctx, model, fsdp=FSDPOptions())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(0)  # the same batch on every rank: the same weights as one process
+    torch.manual_seed(
+        0
+    )  # the same batch on every rank: the same weights as one process
     tokens = torch.randint(0, 40, (4, 5))
     model(tokens).square().mean().backward()
     opt.step()
@@ -403,11 +448,17 @@ def _export_worker(ctx: DistributedContext, how: str, out: Path) -> Tensors:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
-def test_ddp_and_fsdp2_exports_hold_what_one_process_writes(tmp_path: Path, how: str) -> None:
-    reference = save_model(ONE, _trained(ONE, "plain"), tmp_path / "one", max_shard_size=1000)
+def test_ddp_and_fsdp2_exports_hold_what_one_process_writes(
+    tmp_path: Path, how: str
+) -> None:
+    reference = save_model(
+        ONE, _trained(ONE, "plain"), tmp_path / "one", max_shard_size=1000
+    )
     out = tmp_path / "dist"
     results = run_ranks(_export_worker, 2, tmp_path / "ranks", how, out)
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in reference.iterdir()
+    )
     assert (out / "model.safetensors.index.json").read_text() == (
         reference / "model.safetensors.index.json"
     ).read_text()

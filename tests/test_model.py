@@ -563,7 +563,9 @@ def test_wrap_model_refuses_fsdp_with_ddp_kwargs(ctx: DistributedContext) -> Non
         wrap_model(ctx, _make_net(), hook_only, fsdp=FSDPOptions())
     # Default kwargs too: one process refuses what several would.
     with pytest.raises(ValueError, match=r"ddp_kwargs only configure DDP.*fsdp=None"):
-        wrap_model(ctx, _make_net(), DistributedDataParallelKwargs(), fsdp=FSDPOptions())
+        wrap_model(
+            ctx, _make_net(), DistributedDataParallelKwargs(), fsdp=FSDPOptions()
+        )
 
 
 def test_wrap_model_needs_a_process_group_with_several_processes() -> None:

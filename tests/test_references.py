@@ -17,7 +17,9 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 _REF: Final = re.compile(r"\bdocs/([a-z_]+\.md)(?:#([a-z0-9_-]+))?")
 _HEADING: Final = re.compile(r"^#{1,6} +(.+?) *$", re.M)
 # Spelled in pieces so that this file does not match itself.
-_OUTSIDE: Final = re.compile("|".join(["SPEC" + " §", "SPEC" + r"\.md", "TORCH" + "-NOTES"]))
+_OUTSIDE: Final = re.compile(
+    "|".join(["SPEC" + " §", "SPEC" + r"\.md", "TORCH" + "-NOTES"])
+)
 
 
 def _sources() -> list[Path]:
@@ -57,7 +59,9 @@ def test_every_docs_reference_resolves(source: Path) -> None:
     text = source.read_text()
     for page, anchor in _REF.findall(text):
         target = ROOT / "docs" / page
-        assert target.is_file(), f"{source.name} cites docs/{page}, which does not exist"
+        assert target.is_file(), (
+            f"{source.name} cites docs/{page}, which does not exist"
+        )
         if anchor:
             assert anchor in _anchors(target), (
                 f"{source.name} cites docs/{page}#{anchor}, which is not a heading there"

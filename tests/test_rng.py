@@ -30,8 +30,18 @@ def test_sync_rng_states_is_exported_and_a_no_op_on_one_process() -> None:
 @pytest.mark.parametrize(
     ("rng_types", "generator", "error", "pattern"),
     [
-        ("torch", None, TypeError, r"sync_rng_states: rng_types must be a list of names"),
-        (["numpy"], None, ValueError, r"rng_types may hold only 'torch', 'cuda' and 'generator'; got 'numpy'"),
+        (
+            "torch",
+            None,
+            TypeError,
+            r"sync_rng_states: rng_types must be a list of names",
+        ),
+        (
+            ["numpy"],
+            None,
+            ValueError,
+            r"rng_types may hold only 'torch', 'cuda' and 'generator'; got 'numpy'",
+        ),
         (["cuda"], None, ValueError, r"rng_types has 'cuda' but ctx.device is cpu"),
         (["generator"], 3, TypeError, r"generator must be a torch.Generator or None"),
     ],

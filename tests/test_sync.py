@@ -69,7 +69,9 @@ def test_the_syncing_backward_leaves_the_mean_of_the_accumulated_gradients(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_without_sync_in_backward_gradients_stay_local(tmp_path: Path, world: int) -> None:
+def test_without_sync_in_backward_gradients_stay_local(
+    tmp_path: Path, world: int
+) -> None:
     results = run_ranks(_window, world, tmp_path, "local")
     for got, local, _ in results:
         for g, want in zip(got, local, strict=True):

@@ -87,15 +87,23 @@ def _same_types(a: Any, b: Any) -> bool:
     if is_node(a):
         _, left = flatten(a)
         _, right = flatten(b)
-        children_a = list(a.values()) if isinstance(a, dict) else (
-            [getattr(a, f.name) for f in dataclasses.fields(a)]
-            if dataclasses.is_dataclass(a)
-            else list(a)
+        children_a = (
+            list(a.values())
+            if isinstance(a, dict)
+            else (
+                [getattr(a, f.name) for f in dataclasses.fields(a)]
+                if dataclasses.is_dataclass(a)
+                else list(a)
+            )
         )
-        children_b = list(b.values()) if isinstance(b, dict) else (
-            [getattr(b, f.name) for f in dataclasses.fields(b)]
-            if dataclasses.is_dataclass(b)
-            else list(b)
+        children_b = (
+            list(b.values())
+            if isinstance(b, dict)
+            else (
+                [getattr(b, f.name) for f in dataclasses.fields(b)]
+                if dataclasses.is_dataclass(b)
+                else list(b)
+            )
         )
         return len(left) == len(right) and all(
             _same_types(x, y) for x, y in zip(children_a, children_b, strict=True)
@@ -113,11 +121,15 @@ def test_unflatten_of_flatten_rebuilds_the_same_tree(tree: Any) -> None:
 
 
 @given(trees)
-def test_tree_map_and_rebuild_keep_structure_and_leave_the_input_alone(tree: Any) -> None:
+def test_tree_map_and_rebuild_keep_structure_and_leave_the_input_alone(
+    tree: Any,
+) -> None:
     before = copy.deepcopy(tree)
     mapped = tree_map(lambda leaf: Seen(leaf), tree)
     assert tree == before
-    assert unflatten(flatten(tree)[0], [Seen(leaf) for leaf in flatten(tree)[1]]) == mapped
+    assert (
+        unflatten(flatten(tree)[0], [Seen(leaf) for leaf in flatten(tree)[1]]) == mapped
+    )
     assert _same_types(rebuild(tree, flatten(tree)[1]), tree)
     assert len(leaf_paths(tree, "batch")) == len(flatten(tree)[1])
 
@@ -142,7 +154,9 @@ def test_rebuild_keeps_defaultdict_factory_and_subclass_attributes() -> None:
     assert isinstance(out["dd"], defaultdict)
     assert out["dd"] == {"a": [2]} and out["dd"].default_factory is list
     assert out["dd"] is not dd and dd["a"] == [1]
-    assert type(out["t"]) is Tagged and out["t"]["k"] == 3 and out["t"].tag == "instance"
+    assert (
+        type(out["t"]) is Tagged and out["t"]["k"] == 3 and out["t"].tag == "instance"
+    )
 
 
 def test_other_mappings_are_nodes_and_other_objects_are_leaves() -> None:

@@ -51,7 +51,11 @@ def _new_env(path: Path) -> Path:
     venv.EnvBuilder(with_pip=False).create(path)
     python = path / "bin" / "python"
     site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [
+            str(python),
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ],
         check=True,
         capture_output=True,
         text=True,

@@ -128,13 +128,21 @@ class DeepSpeedOptions:
                 msg = f"{owner}: gradient_clipping must be a finite number > 0; got {clip!r}. Use None for no clipping."
                 raise ValueError(msg)
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            msg = f"{owner}: micro_batch_size must be >= 1; got {self.micro_batch_size}."
+            msg = (
+                f"{owner}: micro_batch_size must be >= 1; got {self.micro_batch_size}."
+            )
             raise ValueError(msg)
         zero = read.get("zero_optimization", {})
         if not isinstance(zero, dict):
             msg = f"{owner}: config['zero_optimization'] must be an object; got {summary(zero)}."
             raise ValueError(msg)
-        _agree(owner, "zero_stage", self.zero_stage, "zero_optimization.stage", zero.get("stage"))
+        _agree(
+            owner,
+            "zero_stage",
+            self.zero_stage,
+            "zero_optimization.stage",
+            zero.get("stage"),
+        )
         stage = self.stage
         if stage not in _STAGES:
             msg = (
@@ -143,13 +151,37 @@ class DeepSpeedOptions:
                 "deepspeed=)."
             )
             raise ValueError(msg)
-        _agree(owner, "offload_optimizer", self.offload_optimizer, "zero_optimization.offload_optimizer", _offloaded(zero, "offload_optimizer"))
-        _agree(owner, "offload_param", self.offload_param, "zero_optimization.offload_param", _offloaded(zero, "offload_param"))
+        _agree(
+            owner,
+            "offload_optimizer",
+            self.offload_optimizer,
+            "zero_optimization.offload_optimizer",
+            _offloaded(zero, "offload_optimizer"),
+        )
+        _agree(
+            owner,
+            "offload_param",
+            self.offload_param,
+            "zero_optimization.offload_param",
+            _offloaded(zero, "offload_param"),
+        )
         if self._offload("offload_param") and stage != 3:
             msg = f"{owner}: offload_param needs ZeRO stage 3; got stage {stage}. Set zero_stage=3 or offload_param=False."
             raise ValueError(msg)
-        _agree(owner, "gradient_clipping", clip, "gradient_clipping", read.get("gradient_clipping"))
-        _agree(owner, "micro_batch_size", self.micro_batch_size, "train_micro_batch_size_per_gpu", read.get("train_micro_batch_size_per_gpu"))
+        _agree(
+            owner,
+            "gradient_clipping",
+            clip,
+            "gradient_clipping",
+            read.get("gradient_clipping"),
+        )
+        _agree(
+            owner,
+            "micro_batch_size",
+            self.micro_batch_size,
+            "train_micro_batch_size_per_gpu",
+            read.get("train_micro_batch_size_per_gpu"),
+        )
 
     @property
     def stage(self) -> int:
@@ -188,7 +220,9 @@ def _agree(owner: str, field: str, value: object, key: str, configured: object) 
     raise ValueError(msg)
 
 
-def _conflict(caller: str, key: str, configured: object, known: object, source: str) -> ValueError:
+def _conflict(
+    caller: str, key: str, configured: object, known: object, source: str
+) -> ValueError:
     return ValueError(
         f"{caller}: the DeepSpeed config sets {key}={configured!r}, but {source} is "
         f"{known!r}; funcaccel never chooses between them silently: remove {key} "
@@ -230,16 +264,31 @@ def merged_config(
     k = grad.accumulation_steps
     configured = config.get("gradient_accumulation_steps")
     if configured not in (None, "auto") and configured != k:
-        raise _conflict(caller, "gradient_accumulation_steps", configured, k, "GradState.accumulation_steps")
+        raise _conflict(
+            caller,
+            "gradient_accumulation_steps",
+            configured,
+            k,
+            "GradState.accumulation_steps",
+        )
     config["gradient_accumulation_steps"] = k
-    for name, wanted in (("fp16", ctx.mixed_precision == "fp16"), ("bf16", ctx.mixed_precision == "bf16")):
+    for name, wanted in (
+        ("fp16", ctx.mixed_precision == "fp16"),
+        ("bf16", ctx.mixed_precision == "bf16"),
+    ):
         section = config.get(name, {})
         if not isinstance(section, dict):
             msg = f"{caller}: the DeepSpeed config's {name} must be an object; got {summary(section)}."
             raise ValueError(msg)
         enabled = section.get("enabled")
         if enabled not in (None, "auto") and bool(enabled) != wanted:
-            raise _conflict(caller, f"{name}.enabled", enabled, ctx.mixed_precision, "ctx.mixed_precision")
+            raise _conflict(
+                caller,
+                f"{name}.enabled",
+                enabled,
+                ctx.mixed_precision,
+                "ctx.mixed_precision",
+            )
         config[name] = {**section, "enabled": wanted}
     micro = options.micro_batch_size or config.get("train_micro_batch_size_per_gpu")
     micro = 1 if micro in (None, "auto") else micro
