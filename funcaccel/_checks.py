@@ -288,7 +288,7 @@ def check_norm(caller: str, name: str, value: object) -> None:
         raise ValueError(msg)
 
 
-def check_scaler(scaler: object, caller: str) -> None:
+def check_scaler(caller: str, scaler: object) -> None:
     """Check that ``scaler`` is a ``torch.amp.GradScaler``."""
     if not isinstance(scaler, torch.amp.GradScaler):
         msg = (

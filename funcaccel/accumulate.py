@@ -101,8 +101,8 @@ def sync_ctx(
     Raises:
         TypeError: ``ctx``, ``grad`` or ``models`` of the wrong type.
     """
-    check_context(ctx, "sync_ctx")
-    check_grad_state(grad, "sync_ctx")
+    check_context("sync_ctx", ctx)
+    check_grad_state("sync_ctx", grad)
     modules = as_tuple_of(models, nn.Module, caller="sync_ctx", name="models")
     engines = tuple(m for m in modules if is_deepspeed_engine(m))
     if engines:
@@ -152,9 +152,9 @@ def _check_step_args(
 ) -> None:
     caller = "accumulate_step"
     if not isinstance(ctx, DistributedContext):
-        check_context(ctx, caller)
+        check_context(caller, ctx)
     if not isinstance(grad, GradState):
-        check_grad_state(grad, caller)
+        check_grad_state(caller, grad)
     check_window_kind(grad, num_items is not None, caller)
     if not callable(loss_fn):
         msg = (
@@ -170,7 +170,7 @@ def _check_step_args(
         )
         raise TypeError(msg)
     if scaler is not None:
-        check_scaler(scaler, caller)
+        check_scaler(caller, scaler)
     elif ctx.mixed_precision == "fp16":
         msg = (
             f"{caller}: ctx.mixed_precision is 'fp16' but scaler=None; fp16 needs a "

@@ -125,7 +125,7 @@ def find_executable_batch_size(
     ``(result, 16)``.
     """
     caller = "find_executable_batch_size"
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     if not callable(fn):
         fail_type(caller, "fn", fn, "callable as fn(batch_size)")
     check_type(caller, "starting_batch_size", starting_batch_size, int)

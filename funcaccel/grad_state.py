@@ -212,7 +212,7 @@ def _raise_invalid(state: GradState) -> None:
     raise ValueError(f"GradState: {msg}")
 
 
-def check_grad_state(grad: object, caller: str) -> None:
+def check_grad_state(caller: str, grad: object) -> None:
     """Raise ``TypeError`` naming ``caller`` unless ``grad`` is a ``GradState``."""
     if not isinstance(grad, GradState):
         msg = (
@@ -315,7 +315,7 @@ def should_sync(grad: GradState, *, end_of_dataloader: bool = False) -> bool:
     >>> should_sync(GradState(accumulation_steps=4, sync_with_dataloader=False), end_of_dataloader=True)
     False
     """
-    check_grad_state(grad, "should_sync")
+    check_grad_state("should_sync", grad)
     check_bool("should_sync", "end_of_dataloader", end_of_dataloader)
     return is_window_end(grad, end_of_dataloader)
 

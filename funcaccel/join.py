@@ -150,7 +150,7 @@ def join_uneven_inputs(
         UserWarning: ``even_batches`` is given but a loader is iterable or
             dispatches batches; it is yielded unchanged, as Accelerate does.
     """
-    check_context(ctx, "join_uneven_inputs")
+    check_context("join_uneven_inputs", ctx)
     what = "None, True or False"
     check_type(
         "join_uneven_inputs",

@@ -160,7 +160,7 @@ def local_sgd_step(
         UserWarning: the model is DDP and not inside ``no_sync(ctx, model)``, so
             its gradients were all-reduced and averaging changes nothing.
     """
-    check_context(ctx, "local_sgd_step")
+    check_context("local_sgd_step", ctx)
     hint = "Start with LocalSGDState(local_sgd_steps=k)."
     check_type("local_sgd_step", "state", state, LocalSGDState, hint=hint)
     check_type("local_sgd_step", "grad", grad, GradState, optional=True)

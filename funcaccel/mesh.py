@@ -236,7 +236,7 @@ def build_mesh(
             whose product is not ``ctx.num_processes``.
         RuntimeError: an initialised default group that does not match ``ctx``.
     """
-    check_context(ctx, "build_mesh")
+    check_context("build_mesh", ctx)
     sizes = _resolve(
         {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp},
         ctx.num_processes,

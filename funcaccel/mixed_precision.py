@@ -98,7 +98,7 @@ def autocast_ctx(
     ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     torch.float32
     """
-    check_context(ctx, "autocast_ctx")
+    check_context("autocast_ctx", ctx)
     check_type("autocast_ctx", "kwargs", kwargs, AutocastKwargs, optional=True)
     dtype = autocast_dtype(ctx.mixed_precision)
     if dtype is None:
@@ -126,7 +126,7 @@ def build_grad_scaler(
     >>> build_grad_scaler(DistributedContext()) is None
     True
     """
-    check_context(ctx, "build_grad_scaler")
+    check_context("build_grad_scaler", ctx)
     check_type("build_grad_scaler", "kwargs", kwargs, GradScalerKwargs, optional=True)
     if ctx.mixed_precision != "fp16":
         return None
@@ -157,7 +157,7 @@ def unscale_grads_(
     >>> unscale_grads_(scaler, opt), unscale_grads_(scaler, opt), w.grad.item()
     (1, 0, 1.0)
     """
-    check_scaler(scaler, "unscale_grads_")
+    check_scaler("unscale_grads_", scaler)
     optimizers = as_tuple_of(
         optimizer, torch.optim.Optimizer, caller="unscale_grads_", name="optimizer"
     )
@@ -218,7 +218,7 @@ def clip_grad_norm_(
     check_norm("clip_grad_norm_", "max_norm", max_norm)
     check_norm("clip_grad_norm_", "norm_type", norm_type)
     if scaler is not None:
-        check_scaler(scaler, "clip_grad_norm_")
+        check_scaler("clip_grad_norm_", scaler)
         if optimizer is None:
             msg = (
                 "clip_grad_norm_: a scaler was given but optimizer=None; pass the "
@@ -302,7 +302,7 @@ def clip_grad_value_(
     """
     check_norm("clip_grad_value_", "clip_value", clip_value)
     if scaler is not None:
-        check_scaler(scaler, "clip_grad_value_")
+        check_scaler("clip_grad_value_", scaler)
         if optimizer is None:
             msg = (
                 "clip_grad_value_: a scaler was given but optimizer=None; pass the "
@@ -356,7 +356,7 @@ def optimizer_step(
         for opt in optimizers:
             opt.step()
         return False
-    check_scaler(scaler, "optimizer_step")
+    check_scaler("optimizer_step", scaler)
     if not scaler.is_enabled():
         for opt in optimizers:
             scaler.step(opt)

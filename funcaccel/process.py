@@ -127,7 +127,7 @@ def main_process_first(
     >>> with main_process_first(DistributedContext()):
     ...     pass
     """
-    check_context(ctx, "main_process_first")
+    check_context("main_process_first", ctx)
     require_process_group(ctx, "main_process_first")
     return _goes_first(ctx, "main_process_first", ctx.is_main_process)
 
@@ -159,7 +159,7 @@ def local_main_process_first(
     >>> with local_main_process_first(DistributedContext()):
     ...     pass
     """
-    check_context(ctx, "local_main_process_first")
+    check_context("local_main_process_first", ctx)
     require_process_group(ctx, "local_main_process_first")
     return _goes_first(ctx, "local_main_process_first", ctx.is_local_main_process)
 
@@ -191,7 +191,7 @@ def print_main(
     >>> print_main(DistributedContext(), "a", "b", sep="-")
     a-b
     """
-    check_context(ctx, "print_main")
+    check_context("print_main", ctx)
     if ctx.is_main_process:
         print(*args, sep=sep, end=end, file=file, flush=flush)
 
@@ -311,7 +311,7 @@ def get_logger(
     hello
     >>> log.logger.removeHandler(handler)
     """
-    check_context(ctx, "get_logger")
+    check_context("get_logger", ctx)
     check_type("get_logger", "name", name, str, hint="Pass e.g. __name__.")
     logger = logging.getLogger(name)
     if log_level is not None:

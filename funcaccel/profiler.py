@@ -249,7 +249,7 @@ def build_profiler(
             or (on exit) a schedule that never reached an active step.
         OSError: ``output_trace_dir`` cannot be created.
     """
-    check_context(ctx, _OWNER)
+    check_context(_OWNER, ctx)
     if kwargs is None:
         kwargs = ProfileKwargs()
     what = "a ProfileKwargs or None"

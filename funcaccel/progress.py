@@ -126,7 +126,7 @@ def progress(
             wrong type.
         ValueError: a negative ``total`` or an ``every`` below 1.
     """
-    check_context(ctx, "progress")
+    check_context("progress", ctx)
     if not isinstance(iterable, Iterable):
         fail_type("progress", "iterable", iterable, "iterable")
     if total is not None:

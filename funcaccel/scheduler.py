@@ -131,7 +131,7 @@ def _check_args(
     step_with_optimizer: object,
     caller: str,
 ) -> None:
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     what = "the GradState accumulate_step returned"
     check_type(caller, "grad", grad, GradState, what=what)
     check_bool(caller, "step_with_optimizer", step_with_optimizer)

@@ -84,7 +84,7 @@ def set_seed(
     >>> set_seed(DistributedContext(), 3, device_specific=True)
     3
     """
-    check_context(ctx, "set_seed")
+    check_context("set_seed", ctx)
     hint = "Pass an int such as 42."
     check_type("set_seed", "seed", seed, numbers.Integral, what="an int", hint=hint)
     check_bool("set_seed", "device_specific", device_specific)

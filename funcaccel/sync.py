@@ -33,7 +33,7 @@ __all__ = ["no_sync", "sync_in_backward"]
 
 
 def _check(ctx: object, model: object, caller: str) -> nn.Module:
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     if not isinstance(model, nn.Module):
         msg = f"{caller}: model must be an nn.Module; got {type(model).__name__}."
         raise TypeError(msg)

@@ -137,14 +137,14 @@ def test_names_that_are_not_plain_relative_paths_are_refused(name: object) -> No
         ValueError,
         match=r"^f: the checkpoint names .* not a plain relative path .*" + CRAFTED,
     ):
-        check_member_name(name, caller="f")
+        check_member_name("f", name)
 
 
 @pytest.mark.parametrize(
     "name", ["model_0.pt", "dcp/__0_0.distcp", "dcp/.metadata", "a..b"]
 )
 def test_plain_names_are_accepted(name: str) -> None:
-    assert check_member_name(name, caller="f") == name
+    assert check_member_name("f", name) == name
 
 
 _PARTS = st.sampled_from(["a", "out", "loop", "..", ".", "", "b.pt", "\\", "/"])
@@ -174,7 +174,7 @@ def test_random_names_never_resolve_outside_the_checkpoint(
 @given(name=st.text(st.sampled_from("ab./\\\x00"), max_size=12))
 def test_random_strings_are_refused_or_stay_inside(name: str) -> None:
     try:
-        check_member_name(name, caller="f")
+        check_member_name("f", name)
     except ValueError:
         return
     joined = os.path.normpath(os.path.join("/root", name))

@@ -99,7 +99,7 @@ def check_dcp_metadata(
     given = f"the DCP metadata {where}"
     for info in storage.values():
         name = check_member_name(
-            getattr(info, "relative_path", None), caller=caller, where=given
+            caller, getattr(info, "relative_path", None), where=given
         )
         if name not in listed:
             msg = f"{caller}: {given} names {summary(name)}, which the manifest does not list; {DAMAGED}."

@@ -123,7 +123,7 @@ def check_state_objects(
         ValueError: an ``objects`` key that cannot name a file.
         RuntimeError: ``ctx`` has several processes and no matching default group.
     """
-    ctx = check_context(ctx, caller)
+    ctx = check_context(caller, ctx)
     scaler = check_type(
         caller,
         "scaler",

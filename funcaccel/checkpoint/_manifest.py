@@ -218,7 +218,7 @@ class CheckpointMeta:
         ):
             fail_type(owner, "files", self.files, "a mapping of str to FileEntry")
         for name in self.files:
-            check_member_name(name, caller=owner, where="files")
+            check_member_name(owner, name, where="files")
         object.__setattr__(self, "files", dict(self.files))
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,9 +8,9 @@ directory to a regular file. So a crafted ``../../x``, ``/dev/zero``, a symlink 
 another directory or a FIFO is refused before it is read, hashed or deleted (a
 FIFO or device would otherwise hang the load).
 
->>> check_member_name("dcp/__0_0.distcp", caller="f")
+>>> check_member_name("f", "dcp/__0_0.distcp")
 'dcp/__0_0.distcp'
->>> check_member_name("../x", caller="f")
+>>> check_member_name("f", "../x")
 Traceback (most recent call last):
 ...
 ValueError: f: the checkpoint names '../x', which is not a plain relative path inside it ...
@@ -31,7 +31,7 @@ DAMAGED: Final = "the checkpoint is damaged or crafted; load one you trust"
 _NAME_LIMIT: Final = 255
 
 
-def check_member_name(name: object, *, caller: str, where: str = "") -> str:
+def check_member_name(caller: str, name: object, *, where: str = "") -> str:
     """Return ``name`` if it is a plain relative path (``/``-separated) inside a checkpoint.
 
     Pure: nothing on disk is looked at. ``where`` says who gave the name, for the
@@ -72,7 +72,7 @@ def member_path(root: Path, name: str, *, caller: str, where: str = "") -> Path:
         ValueError: ``name`` is not a plain relative path, or a symlink on the way
             leads out of ``root``.
     """
-    check_member_name(name, caller=caller, where=where)
+    check_member_name(caller, name, where=where)
     path = root / name
     inside = root.resolve()
     if not path.resolve().is_relative_to(inside):

@@ -80,7 +80,7 @@ def wait_for_everyone(ctx: DistributedContext) -> None:
 
     >>> wait_for_everyone(DistributedContext())  # one process: returns at once
     """
-    check_context(ctx, "wait_for_everyone")
+    check_context("wait_for_everyone", ctx)
     require_process_group(ctx, "wait_for_everyone")
     if ctx.num_processes == 1:
         return
@@ -104,7 +104,7 @@ def exchange_codes(ctx: DistributedContext, code: int, *, caller: str) -> list[i
 
 def _agreed_flags(ctx: DistributedContext, caller: str, flag: object) -> list[int]:
     """Exchange ``flag`` (0 / 1, or 2 for a non-bool) and raise on every rank if bad."""
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     require_process_group(ctx, caller)
     good = type(flag) is bool
     # A rank that raised before the all-reduce would leave the others in it until
@@ -223,7 +223,7 @@ def padded_count(ctx: DistributedContext, total: int) -> int:
     ...     for i in range(3))]
     [0, 1, 1]
     """
-    check_context(ctx, "padded_count")
+    check_context("padded_count", ctx)
     check_type("padded_count", "total", total, int, hint="Pass len(inputs).")
     if total < 0:
         msg = f"padded_count: total must be >= 0; got {total}. Pass len(inputs)."
@@ -346,7 +346,7 @@ def split_between_processes(
     {'a': [1, 2], 'b': (3, 4)}
     """
     caller = "split_between_processes"
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     check_bool(caller, "apply_padding", apply_padding)
     if isinstance(inputs, dict):
         length = _dict_length(caller, inputs)

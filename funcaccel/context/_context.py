@@ -384,7 +384,7 @@ def close_context(ctx: DistributedContext) -> None:
         end_process_group()
 
 
-def check_context(ctx: object, caller: str) -> DistributedContext:
+def check_context(caller: str, ctx: object) -> DistributedContext:
     """Return ``ctx``, or raise ``TypeError`` naming ``caller`` if it is not a context."""
     hint = "Build one with build_context()."
     return check_type(caller, "ctx", ctx, DistributedContext, hint=hint)

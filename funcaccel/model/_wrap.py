@@ -307,7 +307,7 @@ def _move_real_tensors_(model: nn.Module, device: torch.device) -> None:
 def _check_arguments(
     ctx: object, model: object, ddp_kwargs: object, fsdp: object
 ) -> None:
-    check_context(ctx, "wrap_model")
+    check_context("wrap_model", ctx)
     if not isinstance(model, nn.Module):
         msg = (
             f"wrap_model: model must be a torch.nn.Module; got {type(model).__name__}. "

@@ -94,7 +94,7 @@ def sync_rng_states(
 
     >>> sync_rng_states(DistributedContext(), ["torch"])  # one process: nothing to do
     """
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     names_given = check_rng_types(caller, rng_types, ctx)
     what = "a torch.Generator or None"
     check_type(

@@ -125,7 +125,7 @@ def trackers_from_names(
         ImportError: a named tracker's package is not installed (checked before
             any tracker is built).
     """
-    check_context(ctx, "trackers_from_names")
+    check_context("trackers_from_names", ctx)
     check_name("trackers_from_names", "project_name", project_name, "exp1")
     names = _names(names_or_all)
     root = tracker_path("trackers_from_names", "project_dir", project_dir)

@@ -74,7 +74,7 @@ def _gated(
     caller: str, ctx: DistributedContext, trackers: Iterable[Tracker]
 ) -> list[Tracker]:
     """Return the trackers this rank calls, in order, after checking the inputs."""
-    check_context(ctx, caller)
+    check_context(caller, ctx)
     if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
         hint = "Wrap a single tracker in a list: [tracker]."
         fail_type(caller, "trackers", trackers, "a list of trackers", hint)
