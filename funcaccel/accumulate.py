@@ -155,7 +155,7 @@ def _check_step_args(
         check_context(caller, ctx)
     if not isinstance(grad, GradState):
         check_grad_state(caller, grad)
-    check_window_kind(grad, num_items is not None, caller)
+    check_window_kind(caller, grad, num_items is not None)
     if not callable(loss_fn):
         msg = (
             f"{caller}: loss_fn must be a callable taking no argument and returning "
@@ -420,7 +420,7 @@ def _token_weighted_step(
     num_items: int | torch.Tensor,
 ) -> tuple[torch.Tensor, GradState]:
     """Run ``accumulate_step`` with ``num_items``, its other arguments checked."""
-    items = check_num_items(num_items, _CALLER)
+    items = check_num_items(_CALLER, num_items)
     p = ctx.num_processes
     if p > 1:
         require_process_group(ctx, _CALLER)

@@ -30,7 +30,9 @@ import torch
 
 from funcaccel._checks import a_or_an
 from funcaccel._checks import check_bool
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel.context import DistributedContext
 
 __all__ = [
@@ -144,9 +146,7 @@ class GradState:
         >>> GradState.from_dict(s.to_dict()) == s
         True
         """
-        if not isinstance(data, Mapping):
-            msg = f"GradState.from_dict: data must be a mapping; got {type(data).__name__}."
-            raise TypeError(msg)
+        check_type("GradState.from_dict", "data", data, Mapping, what="a mapping")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(names - set(data) - {"window_items"})
         unknown = sorted(str(key) for key in set(data) - names)
@@ -167,8 +167,7 @@ def _raise_invalid(state: GradState) -> None:
             continue
         if type(value).__name__ != kind.removesuffix(" | None"):
             wanted = a_or_an(kind.replace(" | ", " or "))
-            msg = f"GradState: {field.name} must be {wanted}; got {summary(value)} ({type(value).__name__})."
-            raise TypeError(msg)
+            fail_type("GradState", field.name, value, wanted)
     k, j, synced = state.accumulation_steps, state.micro_step, state.sync_gradients
     problems = [
         (k < 1, f"accumulation_steps must be >= 1; got {k}."),
@@ -214,15 +213,11 @@ def _raise_invalid(state: GradState) -> None:
 
 def check_grad_state(caller: str, grad: object) -> None:
     """Raise ``TypeError`` naming ``caller`` unless ``grad`` is a ``GradState``."""
-    if not isinstance(grad, GradState):
-        msg = (
-            f"{caller}: grad must be a GradState; got {summary(grad)} ({type(grad).__name__}). "
-            "Start with GradState(accumulation_steps=k)."
-        )
-        raise TypeError(msg)
+    hint = "Start with GradState(accumulation_steps=k)."
+    check_type(caller, "grad", grad, GradState, hint=hint)
 
 
-def check_num_items(num_items: object, caller: str) -> int:
+def check_num_items(caller: str, num_items: object) -> int:
     """Return a micro-batch's item count (``num_items=``) as a Python ``int``.
 
     Takes an ``int`` (or another integral number that is not a bool) or a 0-dim
@@ -234,49 +229,35 @@ def check_num_items(num_items: object, caller: str) -> int:
         TypeError: a bool, a float, or a tensor that is not of an integer dtype.
         ValueError: a negative count, or a tensor with one or more dimensions.
 
-    >>> check_num_items(torch.tensor(7), "f"), check_num_items(0, "f")
+    >>> check_num_items("f", torch.tensor(7)), check_num_items("f", 0)
     (7, 0)
-    >>> check_num_items(-1, "f")
+    >>> check_num_items("f", -1)
     Traceback (most recent call last):
     ...
     ValueError: f: num_items must be >= 0 (how many items the micro-batch's summed loss covers on this rank); got -1.
     """
+    what = "an int or a 0-dim integer tensor"
     if isinstance(num_items, torch.Tensor):
         if num_items.dim() != 0:
-            msg = (
-                f"{caller}: num_items must be an int or a 0-dim integer tensor; got "
-                f"{summary(num_items)}. Sum it to one count first, e.g. "
-                "(labels != -100).sum()."
-            )
-            raise ValueError(msg)
+            hint = "Sum it to one count first, e.g. (labels != -100).sum()."
+            fail_value(caller, "num_items", num_items, what, hint)
         inexact = num_items.is_floating_point() or num_items.is_complex()
         if inexact or num_items.dtype == torch.bool:
-            msg = (
-                f"{caller}: num_items must be an int or a 0-dim integer tensor; got "
-                f"{summary(num_items)}. Count items with an integer dtype, e.g. "
-                "(labels != -100).sum()."
-            )
-            raise TypeError(msg)
+            hint = "Count items with an integer dtype, e.g. (labels != -100).sum()."
+            fail_type(caller, "num_items", num_items, what, hint)
         count = int(num_items.item())
     elif isinstance(num_items, numbers.Integral) and not isinstance(num_items, bool):
         count = int(num_items)
     else:
-        msg = (
-            f"{caller}: num_items must be an int or a 0-dim integer tensor (the "
-            f"number of items the micro-batch's summed loss covers); got "
-            f"{summary(num_items)} ({type(num_items).__name__})."
-        )
-        raise TypeError(msg)
+        what += " (the number of items the micro-batch's summed loss covers)"
+        fail_type(caller, "num_items", num_items, what)
     if count < 0:
-        msg = (
-            f"{caller}: num_items must be >= 0 (how many items the micro-batch's "
-            f"summed loss covers on this rank); got {count}."
-        )
-        raise ValueError(msg)
+        what = ">= 0 (how many items the micro-batch's summed loss covers on this rank)"
+        fail_value(caller, "num_items", count, what)
     return count
 
 
-def check_window_kind(grad: GradState, token_weighted: bool, caller: str) -> None:
+def check_window_kind(caller: str, grad: GradState, token_weighted: bool) -> None:
     """Raise ``ValueError`` when a micro-step's kind differs from its open window's.
 
     A window is token-weighted (``num_items=`` on every micro-step) or averages
@@ -418,18 +399,18 @@ def advance_grad_state(
     5
     """
     check_bool("advance_grad_state", "step_was_skipped", step_was_skipped)
-    check_window_kind(grad, num_items is not None, "advance_grad_state")
+    check_window_kind("advance_grad_state", grad, num_items is not None)
     synced = should_sync(grad, end_of_dataloader=end_of_dataloader)
     if step_was_skipped and not synced:
-        msg = (
-            "advance_grad_state: step_was_skipped=True but this micro-step does not "
-            f"sync (micro_step={grad.micro_step}, accumulation_steps="
-            f"{grad.accumulation_steps}); only a syncing micro-step can skip."
+        what = (
+            "False when the micro-step does not sync (micro_step="
+            f"{grad.micro_step}, accumulation_steps={grad.accumulation_steps})"
         )
-        raise ValueError(msg)
+        hint = "Only a syncing micro-step can skip."
+        fail_value("advance_grad_state", "step_was_skipped", True, what, hint)
     items = None
     if num_items is not None:
-        items = check_num_items(num_items, "advance_grad_state")
+        items = check_num_items("advance_grad_state", num_items)
         items = None if synced else (grad.window_items or 0) + items
     return next_grad_state(grad, synced, end_of_dataloader, step_was_skipped, items)
 

@@ -236,7 +236,7 @@ def deepspeed_step(
     _check_engine_step(grad, engine, optimizer, scaler, autocast_kwargs, max_grad_norm)
     k = grad.accumulation_steps
     synced = is_window_end(grad, end_of_dataloader)
-    items = None if num_items is None else check_num_items(num_items, "accumulate_step")
+    items = None if num_items is None else check_num_items("accumulate_step", num_items)
     with engine_boundary_ctx((engine,), synced):  # sync_ctx's context for engines
         loss = loss_fn()
         if not (
