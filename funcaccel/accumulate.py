@@ -36,7 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
@@ -116,28 +118,18 @@ def sync_ctx(
     return no_sync_models(modules, "sync_ctx")
 
 
-def _check_loss(loss: object) -> None:
-    if not isinstance(loss, torch.Tensor):
-        msg = (
-            f"accumulate_step: loss_fn() must return the loss of one micro-batch as "
-            f"a torch.Tensor; got {summary(loss)} ({type(loss).__name__})."
-        )
-        raise TypeError(msg)
-    if loss.numel() != 1:
-        msg = (
-            f"accumulate_step: loss_fn() must return a scalar loss; got a tensor of "
-            f"shape {tuple(loss.shape)}. Reduce it first, e.g. with .mean()."
-        )
-        raise ValueError(msg)
-    if not loss.requires_grad:
-        msg = (
-            "accumulate_step: the loss from loss_fn() does not require grad; compute "
-            "it from the model's output, outside torch.no_grad()."
-        )
-        raise ValueError(msg)
-
-
 _CALLER: Final = "accumulate_step"
+
+
+def _check_loss(loss: object) -> None:
+    name, what = "loss_fn()'s result", "the loss of one micro-batch as a torch.Tensor"
+    loss = check_type(_CALLER, name, loss, torch.Tensor, what=what)
+    if loss.numel() != 1:
+        hint = "Reduce it first, e.g. with .mean()."
+        fail_value(_CALLER, name, loss, "a scalar loss", hint)
+    if not loss.requires_grad:
+        hint = "Compute it from the model's output, outside torch.no_grad()."
+        fail_value(_CALLER, name, loss, "a loss that requires grad", hint)
 
 
 def _check_step_args(
@@ -157,34 +149,21 @@ def _check_step_args(
         check_grad_state(caller, grad)
     check_window_kind(caller, grad, num_items is not None)
     if not callable(loss_fn):
-        msg = (
-            f"{caller}: loss_fn must be a callable taking no argument and returning "
-            f"the micro-batch loss; got {summary(loss_fn)} ({type(loss_fn).__name__})."
-        )
-        raise TypeError(msg)
-    if type(end_of_dataloader) is not bool:
-        msg = (
-            f"{caller}: end_of_dataloader must be a bool; got "
-            f"{summary(end_of_dataloader)} ({type(end_of_dataloader).__name__}). "
-            "Pass batch.is_last."
-        )
-        raise TypeError(msg)
+        what = "a callable taking no argument and returning the micro-batch loss"
+        fail_type(caller, "loss_fn", loss_fn, what)
+    hint = "Pass batch.is_last."
+    check_type(caller, "end_of_dataloader", end_of_dataloader, bool, hint=hint)
     if scaler is not None:
         check_scaler(caller, scaler)
     elif ctx.mixed_precision == "fp16":
-        msg = (
-            f"{caller}: ctx.mixed_precision is 'fp16' but scaler=None; fp16 needs a "
-            "grad scaler: pass scaler=build_grad_scaler(ctx)."
-        )
-        raise ValueError(msg)
+        what = "a torch.amp.GradScaler when ctx.mixed_precision is 'fp16'"
+        hint = "Pass scaler=build_grad_scaler(ctx)."
+        fail_value(caller, "scaler", scaler, what, hint)
     if max_grad_norm is not None:
         check_norm(caller, "max_grad_norm", max_grad_norm)
-    if autocast_kwargs is not None and not isinstance(autocast_kwargs, AutocastKwargs):
-        msg = (
-            f"{caller}: autocast_kwargs must be an AutocastKwargs or None; got "
-            f"{summary(autocast_kwargs)} ({type(autocast_kwargs).__name__})."
-        )
-        raise TypeError(msg)
+    check_type(
+        caller, "autocast_kwargs", autocast_kwargs, AutocastKwargs, optional=True
+    )
 
 
 def _forward_backward(

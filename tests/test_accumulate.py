@@ -952,17 +952,17 @@ def test_accumulate_step_rejects_bad_input() -> None:
     grad = GradState(accumulation_steps=2)
     cases: list[tuple[Callable[[], object], type[Exception], str]] = [
         (lambda: accumulate_step(ONE, grad, net, opt, lambda: 1.5), TypeError,  # type: ignore[arg-type, return-value]
-         r"accumulate_step: loss_fn\(\) must return .* torch.Tensor; got 1.5 \(float\)"),
+         r"accumulate_step: loss_fn\(\)'s result must be .* torch.Tensor; got 1.5 \(float\)"),
         (lambda: accumulate_step(ONE, grad, net, opt, lambda: net(torch.ones(2, 3, dtype=F64))), ValueError,
-         r"accumulate_step: loss_fn\(\) must return a scalar loss; got a tensor of shape \(2, 2\)"),
+         r"accumulate_step: loss_fn\(\)'s result must be a scalar loss; got tensor\(shape=\(2, 2\)"),
         (lambda: accumulate_step(ONE, grad, net, opt, _no_grad_loss), ValueError,
-         r"accumulate_step: the loss from loss_fn\(\) does not require grad"),
+         r"accumulate_step: loss_fn\(\)'s result must be a loss that requires grad"),
         (lambda: accumulate_step(ONE, grad, net, opt, 3), TypeError,  # type: ignore[arg-type]
          r"accumulate_step: loss_fn must be a callable .*got 3 \(int\)"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, end_of_dataloader=1), TypeError,  # type: ignore[arg-type]
          r"accumulate_step: end_of_dataloader must be a bool; got 1 \(int\)\. Pass batch\.is_last\.$"),
         (lambda: accumulate_step(dataclasses.replace(ONE, mixed_precision="fp16"), grad, net, opt, ok), ValueError,
-         r"accumulate_step: ctx.mixed_precision is 'fp16' but scaler=None.*build_grad_scaler"),
+         r"accumulate_step: scaler must be a torch.amp.GradScaler when ctx.mixed_precision is 'fp16'; got None.*build_grad_scaler"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, scaler=1.0), TypeError,  # type: ignore[arg-type]
          r"accumulate_step: scaler must be a torch.amp.GradScaler or None; got 1.0"),
         (lambda: accumulate_step(ONE, grad, net, opt, ok, max_grad_norm=0), ValueError,

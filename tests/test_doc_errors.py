@@ -325,18 +325,20 @@ def _refused_file_store(tmp_path: Path) -> None:
 Trigger = Callable[[Path], object]
 TRIGGERS: Final[dict[str, Trigger]] = {
     # accumulate.md
-    "ValueError: accumulate_step: ctx.mixed_precision is 'fp16' but scaler=None; "
-    "fp16 needs a grad scaler: pass scaler=build_grad_scaler(ctx).": lambda _: _step(
+    "ValueError: accumulate_step: scaler must be a torch.amp.GradScaler when "
+    "ctx.mixed_precision is 'fp16'; got None. Pass "
+    "scaler=build_grad_scaler(ctx).": lambda _: _step(
         DistributedContext(mixed_precision="fp16")
     ),
-    "ValueError: accumulate_step: loss_fn() must return a scalar loss; got a tensor "
-    "of shape (2, 1). Reduce it first, e.g. with .mean().": lambda _: _step(
-        loss=lambda: nn.Linear(1, 1)(torch.ones(2, 1))
+    "ValueError: accumulate_step: loss_fn()'s result must be a scalar loss; got "
+    "tensor(shape=(2, 1), dtype=torch.float32). Reduce it first, e.g. with "
+    ".mean().": lambda _: _step(loss=lambda: nn.Linear(1, 1)(torch.ones(2, 1))),
+    "TypeError: accumulate_step: loss_fn()'s result must be the loss of one "
+    "micro-batch as a torch.Tensor; got 1.0 (float).": lambda _: _step(
+        loss=lambda: 1.0
     ),
-    "TypeError: accumulate_step: loss_fn() must return the loss of one micro-batch "
-    "as a torch.Tensor; got 1.0 (float).": lambda _: _step(loss=lambda: 1.0),
-    "ValueError: accumulate_step: the loss from loss_fn() does not require grad; "
-    "...": lambda _: _step(loss=lambda: torch.ones(())),
+    "ValueError: accumulate_step: loss_fn()'s result must be a loss that requires "
+    "grad; ...": lambda _: _step(loss=lambda: torch.ones(())),
     "TypeError: accumulate_step: end_of_dataloader must be a bool; got 1 (int). "
     "Pass batch.is_last.": lambda _: _step(end_of_dataloader=1),
     "ValueError: accumulate_step: max_grad_norm must be > 0; got 0. "
