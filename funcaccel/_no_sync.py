@@ -1,6 +1,6 @@
 """The one context that switches gradient synchronisation off for some models.
 
-``no_sync_models(models, caller)`` is entered by ``funcaccel.no_sync``, by
+``no_sync_models(caller, models)`` is entered by ``funcaccel.no_sync``, by
 ``sync_ctx`` and by ``accumulate_step`` on a micro-step that skips its sync: each
 DDP module runs under its ``no_sync()``, each FSDP2 module with
 ``set_requires_gradient_sync(False)``. It lives in its own module, below both
@@ -14,10 +14,12 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
+from typing import Final
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._checks import fail_value
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.model import inside_compile
 
@@ -26,9 +28,17 @@ if TYPE_CHECKING:
 
 __all__ = ["no_sync_models"]
 
+_STATIC_GRAPH: Final = (
+    "False to skip the gradient all-reduce (torch fails inside no_sync())"
+)
+_STATIC_FIX: Final = (
+    "Build it with static_graph=False, or, with accumulate_step or sync_ctx, "
+    "all-reduce on every micro-step with GradState(..., sync_each_batch=True)."
+)
+
 
 def no_sync_models(
-    models: tuple[nn.Module, ...], caller: str
+    caller: str, models: tuple[nn.Module, ...]
 ) -> AbstractContextManager[None]:
     """Return the one context that switches gradient sync off for ``models``.
 
@@ -45,22 +55,16 @@ def no_sync_models(
             skip its all-reduce.
     """
     if len(models) == 1:
-        return _no_sync_one(models[0], caller)
-    return _no_sync_all(models, caller)
+        return _no_sync_one(caller, models[0])
+    return _no_sync_all(caller, models)
 
 
-def _no_sync_one(wrapped: nn.Module, caller: str) -> AbstractContextManager[None]:
+def _no_sync_one(caller: str, wrapped: nn.Module) -> AbstractContextManager[None]:
     model = inside_compile(wrapped)
     if isinstance(model, DistributedDataParallel):
         if model.static_graph:
-            msg = (
-                f"{caller}: the model's DDP was built with static_graph=True, which "
-                "cannot skip the gradient all-reduce (torch fails inside "
-                "no_sync()); build it with static_graph=False, or, with "
-                "accumulate_step or sync_ctx, all-reduce on every micro-step with "
-                "GradState(..., sync_each_batch=True)."
-            )
-            raise ValueError(msg)
+            name = "the model's DDP static_graph"
+            fail_value(caller, name, True, _STATIC_GRAPH, _STATIC_FIX)
         manager: AbstractContextManager[None] = model.no_sync()
         return manager
     if is_fsdp_module(model):
@@ -69,10 +73,10 @@ def _no_sync_one(wrapped: nn.Module, caller: str) -> AbstractContextManager[None
 
 
 @contextlib.contextmanager
-def _no_sync_all(models: tuple[nn.Module, ...], caller: str) -> Iterator[None]:
+def _no_sync_all(caller: str, models: tuple[nn.Module, ...]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for model in models:
-            stack.enter_context(_no_sync_one(model, caller))
+            stack.enter_context(_no_sync_one(caller, model))
         yield
 
 

@@ -115,7 +115,7 @@ def sync_ctx(
         )
     if not should_skip_grad_sync(ctx, grad, end_of_dataloader=end_of_dataloader):
         return contextlib.nullcontext()
-    return no_sync_models(modules, "sync_ctx")
+    return no_sync_models("sync_ctx", modules)
 
 
 _CALLER: Final = "accumulate_step"
@@ -438,7 +438,7 @@ def _micro_batch(
 ) -> torch.Tensor:
     """Run forward and backward, in the no-sync context when the step skips sync."""
     if is_sync_skipped(ctx, grad, synced):
-        with no_sync_models(models, _CALLER):
+        with no_sync_models(_CALLER, models):
             return _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
     # No null context otherwise: entering one costs more than the rest of the checks.
     return _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)

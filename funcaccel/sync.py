@@ -19,10 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from typing import Final
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._no_sync import no_sync_models
 from funcaccel.context import DistributedContext
@@ -31,13 +34,17 @@ from funcaccel.model import inside_compile
 
 __all__ = ["no_sync", "sync_in_backward"]
 
+_NOT_FSDP: Final = "a DDP or plain module, not an FSDP2 one"
+_FSDP_FIX: Final = (
+    "FSDP2 syncs according to set_requires_gradient_sync at backward time: run "
+    "the last backward after leaving no_sync(ctx, model) instead."
+)
 
-def _check(ctx: object, model: object, caller: str) -> nn.Module:
+
+def _check(caller: str, ctx: object, model: object) -> nn.Module:
     check_context(caller, ctx)
-    if not isinstance(model, nn.Module):
-        msg = f"{caller}: model must be an nn.Module; got {type(model).__name__}."
-        raise TypeError(msg)
-    return inside_compile(model)
+    module = check_type(caller, "model", model, nn.Module, what="an nn.Module")
+    return inside_compile(module)
 
 
 def no_sync(ctx: DistributedContext, model: nn.Module) -> AbstractContextManager[None]:
@@ -58,10 +65,10 @@ def no_sync(ctx: DistributedContext, model: nn.Module) -> AbstractContextManager
         TypeError: ``ctx`` or ``model`` of the wrong type.
         ValueError: a DDP model built with ``static_graph=True``.
     """
-    _check(ctx, model, "no_sync")
+    _check("no_sync", ctx, model)
     if ctx.num_processes == 1:
         return contextlib.nullcontext()
-    return no_sync_models((model,), "no_sync")
+    return no_sync_models("no_sync", (model,))
 
 
 @contextlib.contextmanager
@@ -103,16 +110,11 @@ def sync_in_backward(
             (run its last backward after leaving ``no_sync`` instead: FSDP2
             decides at backward time).
     """
-    inner = _check(ctx, model, "sync_in_backward")
+    inner = _check("sync_in_backward", ctx, model)
     if ctx.num_processes == 1:
         return contextlib.nullcontext()
     if isinstance(inner, DistributedDataParallel):
         return _ddp_sync(inner)
     if is_fsdp_module(inner):
-        msg = (
-            "sync_in_backward: model is an FSDP2 module, which syncs according to "
-            "set_requires_gradient_sync at backward time; run the last backward "
-            "after leaving no_sync(ctx, model) instead."
-        )
-        raise TypeError(msg)
+        fail_type("sync_in_backward", "model", model, _NOT_FSDP, _FSDP_FIX)
     return contextlib.nullcontext()

@@ -89,8 +89,28 @@ def test_at_one_process_both_are_null_contexts() -> None:
 
 def test_no_sync_refuses_what_is_not_a_module() -> None:
     with pytest.raises(
-        TypeError, match=r"no_sync: model must be an nn.Module; got int"
+        TypeError, match=r"no_sync: model must be an nn.Module; got .* \(int\)"
     ):
         no_sync(rank_ctx(1, 0), 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"sync_in_backward: ctx must be a Distrib"):
         sync_in_backward(None, nn.Linear(1, 1))  # type: ignore[arg-type]
+
+
+def test_sync_in_backward_refuses_an_fsdp2_module(tmp_path: Path) -> None:
+    # FSDP2 decides at backward time; one gloo process builds a real FSDP2 module
+    # and a two-rank context reaches the check.
+    from torch.distributed.fsdp import fully_shard
+
+    init = f"file://{tmp_path}/rendezvous"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        net = nn.Linear(2, 2)
+        fully_shard(net)
+        with pytest.raises(
+            TypeError,
+            match=r"sync_in_backward: model must be a DDP or plain module, not an "
+            r"FSDP2 one; got .*after leaving no_sync\(ctx, model\) instead\.$",
+        ):
+            sync_in_backward(rank_ctx(2, 0), net)
+    finally:
+        dist.destroy_process_group()
