@@ -14,7 +14,7 @@ import torch
 from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from funcaccel.trackers import MLflowTracker
+from funcaccel.tracking import MLflowTracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import store_config

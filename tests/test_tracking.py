@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from funcaccel.trackers import CSVTracker
-from funcaccel.trackers import JSONLTracker
-from funcaccel.trackers import MLflowTracker
-from funcaccel.trackers import TensorBoardTracker
-from funcaccel.trackers import WandbTracker
+from funcaccel.tracking import CSVTracker
+from funcaccel.tracking import JSONLTracker
+from funcaccel.tracking import MLflowTracker
+from funcaccel.tracking import TensorBoardTracker
+from funcaccel.tracking import WandbTracker
 from funcaccel.tracking import InMemoryTracker
 from funcaccel.tracking import Tracker
 from funcaccel.tracking import TrackerBase
@@ -342,7 +342,7 @@ def test_file_trackers_reject_bad_steps(tmp_path: Path, kind: str) -> None:
 
 def test_importing_the_trackers_loads_no_optional_backend() -> None:
     code = (
-        "import sys, funcaccel.trackers, funcaccel.tracking\n"
+        "import sys, funcaccel, funcaccel.tracking\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('tensorboard', 'mlflow', 'wandb') "
         "or m.startswith('torch.utils.tensorboard')))"

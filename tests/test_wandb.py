@@ -17,7 +17,7 @@ import torch
 
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from funcaccel.trackers import WandbTracker
+from funcaccel.tracking import WandbTracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import store_config

@@ -1,10 +1,10 @@
 """The MLflow tracker, which imports mlflow only when first used.
 
 Install it with ``pip install 'funcaccel[mlflow]'`` and import it from
-``funcaccel.trackers``. The tracker talks to one ``mlflow.MlflowClient`` of its own
-and never touches MLflow's process-wide state (``mlflow.set_tracking_uri``, the
-active run), so several trackers, pointing at different stores, may live in one
-process.
+``funcaccel.tracking`` (or ``funcaccel``). The tracker talks to one
+``mlflow.MlflowClient`` of its own and never touches MLflow's process-wide state
+(``mlflow.set_tracking_uri``, the active run), so several trackers, pointing at
+different stores, may live in one process.
 """
 
 from __future__ import annotations
