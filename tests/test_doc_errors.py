@@ -406,8 +406,11 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "Linear(...). Pass the class (e.g. nn.Linear), not an instance.": lambda _: (
         FSDPOptions(shard_modules=[nn.Linear(1, 1)])  # type: ignore[list-item]
     ),
-    "TypeError: wrap_model: model must be a torch.nn.Module; got generator. "
-    "...": lambda _: wrap_model(ONE, nn.Linear(1, 1).parameters()),  # type: ignore[arg-type]
+    "TypeError: wrap_model: model must be a torch.nn.Module; got <generator "
+    "object Module.parameters at ...> (generator). ...": lambda _: wrap_model(
+        ONE,
+        nn.Linear(1, 1).parameters(),  # type: ignore[arg-type]
+    ),
     "RuntimeError: wrap_model: ctx has num_processes=2 but no default process "
     "group is initialised; ...": lambda _: wrap_model(_world(2), nn.Linear(1, 1)),
     # checkpoint.md

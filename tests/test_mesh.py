@@ -424,7 +424,10 @@ def test_wrap_model_refuses_what_a_mesh_cannot_build() -> None:
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     tp = ParallelMesh.for_rank(0, tp=2)
     ctx = rank_ctx(2, 0)
-    with pytest.raises(ValueError, match=r"tp_plan needs a mesh with tp > 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_plan must be None without a mesh \(tp_plan needs a mesh with tp > 1\)",
+    ):
         wrap_model(ctx, _mlp(), tp_plan=plan)
     with pytest.raises(ValueError, match=r"mesh has tp=2, so tp_plan must map"):
         wrap_model(ctx, _mlp(), mesh=tp)

@@ -596,7 +596,7 @@ def test_wrap_model_checks_reshard_after_forward_against_the_world() -> None:
         ),
         (
             (DistributedContext(), {"w": 1}),
-            r"wrap_model: model must be a torch.nn.Module; got dict",
+            r"wrap_model: model must be a torch.nn.Module; got \{'w': 1\} \(dict\)\. Pass the module itself",
         ),
         (
             (DistributedContext(), _Net(), {"dim": 1}),
@@ -614,6 +614,28 @@ def test_wrap_model_rejects_wrong_fsdp_type() -> None:
         TypeError, match=r"wrap_model: fsdp must be an FSDPOptions or None; got True"
     ):
         wrap_model(DistributedContext(), _Net(), fsdp=True)  # type: ignore[arg-type]
+
+
+def test_wrap_model_refuses_deepspeed_arguments_that_do_not_fit() -> None:
+    from funcaccel import DeepSpeedOptions
+    from funcaccel import GradState
+
+    one = DistributedContext()
+    with pytest.raises(
+        ValueError,
+        match=r"wrap_model: deepspeed must be a DeepSpeedOptions when scheduler= or "
+        r"grad= is given .*; got None\. Pass deepspeed=DeepSpeedOptions",
+    ):
+        wrap_model(one, _Net(), grad=GradState())
+    with pytest.raises(
+        TypeError, match=r"wrap_model: deepspeed must be a DeepSpeedOptions or None; "
+    ):
+        wrap_model(one, _Net(), deepspeed=3)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"wrap_model: fsdp must be None with deepspeed= .*; got FSDPOptions\(",
+    ):
+        wrap_model(one, _Net(), deepspeed=DeepSpeedOptions(), fsdp=FSDPOptions())
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -35,7 +35,8 @@ from torch.nn.parallel import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import as_tuple_of
-from funcaccel._checks import summary
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
@@ -100,6 +101,7 @@ def _wrapper(
 _POWER_SGD_HOOKS: Final = frozenset(
     {DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD}
 )
+_MODULE: Final = "a torch.nn.Module"
 # Devices whose torch.distributed backends can all-reduce bfloat16 (NCCL, XCCL).
 _BF16_COMM_DEVICES: Final = frozenset({"cuda", "xpu"})
 
@@ -242,11 +244,9 @@ def wrap_model(
             ctx, model, mesh, tp_plan, fsdp, kwargs != DistributedDataParallelKwargs()
         )
     elif tp_plan is not None:
-        msg = (
-            "wrap_model: tp_plan needs a mesh with tp > 1; pass "
-            "mesh=build_mesh(ctx, tp=...) as well, or tp_plan=None."
-        )
-        raise ValueError(msg)
+        what = "None without a mesh (tp_plan needs a mesh with tp > 1)"
+        hint = "Pass mesh=build_mesh(ctx, tp=...) as well, or tp_plan=None."
+        fail_value("wrap_model", "tp_plan", tp_plan, what, hint)
     if ctx.num_processes > 1:
         if fsdp is None:
             _check_hook_device(ctx, kwargs)
@@ -307,27 +307,15 @@ def _move_real_tensors_(model: nn.Module, device: torch.device) -> None:
 def _check_arguments(
     ctx: object, model: object, ddp_kwargs: object, fsdp: object
 ) -> None:
-    check_context("wrap_model", ctx)
-    if not isinstance(model, nn.Module):
-        msg = (
-            f"wrap_model: model must be a torch.nn.Module; got {type(model).__name__}. "
-            "Pass the module itself, not its parameters or state_dict."
-        )
-        raise TypeError(msg)
-    if ddp_kwargs is not None and not isinstance(
-        ddp_kwargs, DistributedDataParallelKwargs
-    ):
-        msg = (
-            f"wrap_model: ddp_kwargs must be a DistributedDataParallelKwargs or None; "
-            f"got {summary(ddp_kwargs)} ({type(ddp_kwargs).__name__})."
-        )
-        raise TypeError(msg)
-    if fsdp is not None and not isinstance(fsdp, FSDPOptions):
-        msg = (
-            f"wrap_model: fsdp must be an FSDPOptions or None; got {summary(fsdp)} "
-            f"({type(fsdp).__name__}). Use fsdp=FSDPOptions() for the defaults."
-        )
-        raise TypeError(msg)
+    caller = "wrap_model"
+    check_context(caller, ctx)
+    hint = "Pass the module itself, not its parameters or state_dict."
+    model = check_type(caller, "model", model, nn.Module, what=_MODULE, hint=hint)
+    kwargs_type = DistributedDataParallelKwargs
+    check_type(caller, "ddp_kwargs", ddp_kwargs, kwargs_type, optional=True)
+    hint = "Use fsdp=FSDPOptions() for the defaults."
+    what = "an FSDPOptions or None"  # "an eff", not a_or_an's "a"
+    check_type(caller, "fsdp", fsdp, FSDPOptions, what=what, hint=hint, optional=True)
     inner = inside_compile(model)
     if (
         isinstance(inner, (DistributedDataParallel, DataParallel))
@@ -354,25 +342,19 @@ def _check_arguments(
 def _check_deepspeed_arguments(
     deepspeed: object, ddp_kwargs: object, fsdp: object, mesh: object
 ) -> None:
+    caller = "wrap_model"
     if deepspeed is None:
-        msg = (
-            "wrap_model: scheduler= and grad= configure a DeepSpeed engine; pass "
-            "deepspeed=DeepSpeedOptions(...) too, or leave them out."
+        what = (
+            "a DeepSpeedOptions when scheduler= or grad= is given (they configure "
+            "a DeepSpeed engine)"
         )
-        raise ValueError(msg)
-    if not isinstance(deepspeed, DeepSpeedOptions):
-        msg = (
-            f"wrap_model: deepspeed must be a DeepSpeedOptions or None; got "
-            f"{summary(deepspeed)} ({type(deepspeed).__name__})."
-        )
-        raise TypeError(msg)
+        hint = "Pass deepspeed=DeepSpeedOptions(...) too, or leave them out."
+        fail_value(caller, "deepspeed", deepspeed, what, hint)
+    check_type(caller, "deepspeed", deepspeed, DeepSpeedOptions, optional=True)
     for name, value in (("ddp_kwargs", ddp_kwargs), ("fsdp", fsdp), ("mesh", mesh)):
         if value is not None:
-            msg = (
-                f"wrap_model: deepspeed= builds a DeepSpeed engine, which cannot be "
-                f"combined with {name}; got {name}={summary(value)}. Pass one of them."
-            )
-            raise ValueError(msg)
+            what = "None with deepspeed= (a DeepSpeed engine cannot be combined)"
+            fail_value(caller, name, value, what, "Pass one of them.")
 
 
 def _changed_fields(kwargs: DistributedDataParallelKwargs) -> str:
@@ -474,12 +456,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     >>> unwrap_model(torch.nn.DataParallel(net)) is net
     True
     """
-    if not isinstance(model, nn.Module):
-        msg = (
-            f"unwrap_model: model must be a torch.nn.Module; got {summary(model)} "
-            f"({type(model).__name__})."
-        )
-        raise TypeError(msg)
+    model = check_type("unwrap_model", "model", model, nn.Module, what=_MODULE)
     compiled = _compiled_module_type()
     while True:
         if compiled is not None and isinstance(model, compiled):
@@ -521,12 +498,8 @@ def move_optimizer_state_(optimizer: torch.optim.Optimizer) -> int:
     >>> move_optimizer_state_(opt), opt.state[param]["momentum_buffer"].dtype
     (1, torch.float64)
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        msg = (
-            f"move_optimizer_state_: optimizer must be a torch.optim.Optimizer; got "
-            f"{summary(optimizer)} ({type(optimizer).__name__})."
-        )
-        raise TypeError(msg)
+    kind, what = torch.optim.Optimizer, "a torch.optim.Optimizer"
+    check_type("move_optimizer_state_", "optimizer", optimizer, kind, what=what)
     moved = 0
     for group in optimizer.param_groups:
         special_step = bool(group.get("capturable")) or bool(group.get("fused"))
