@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from funcaccel._checks import summary
+from funcaccel._checks import fail_type
 from funcaccel._dist_types import is_dtensor
 from funcaccel.model._fsdp import rebind_by_name_
 
@@ -74,7 +74,7 @@ def _meta_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def check_meta_init(model: nn.Module, init_fn: object, caller: str) -> None:
+def check_meta_init(caller: str, model: nn.Module, init_fn: object) -> None:
     """Refuse, before anything changes, a meta model that cannot be initialised.
 
     A model without meta tensors passes whatever ``init_fn`` is, if callable.
@@ -85,11 +85,7 @@ def check_meta_init(model: nn.Module, init_fn: object, caller: str) -> None:
             its own has no ``reset_parameters``; the message names it.
     """
     if init_fn is not None and not callable(init_fn):
-        msg = (
-            f"{caller}: init_fn must be a function of one module or None; got "
-            f"{summary(init_fn)} ({type(init_fn).__name__})."
-        )
-        raise TypeError(msg)
+        fail_type(caller, "init_fn", init_fn, "a function of one module or None")
     if init_fn is not None:
         return
     for name, module in _meta_modules(model):

@@ -253,7 +253,7 @@ def wrap_model(
         elif mesh is None:
             check_fsdp_options(ctx, fsdp, "wrap_model")
         require_process_group(ctx, "wrap_model")
-    check_meta_init(model, init_fn, "wrap_model")
+    check_meta_init("wrap_model", model, init_fn)
     meta = has_meta_tensors(model)
     sharded = ctx.num_processes > 1 and (
         fsdp is not None or (mesh is not None and mesh.tp > 1)
