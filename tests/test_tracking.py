@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 from funcaccel.tracking import CSVTracker
+from funcaccel.tracking import InMemoryTracker
 from funcaccel.tracking import JSONLTracker
 from funcaccel.tracking import MLflowTracker
 from funcaccel.tracking import TensorBoardTracker
-from funcaccel.tracking import WandbTracker
-from funcaccel.tracking import InMemoryTracker
 from funcaccel.tracking import Tracker
 from funcaccel.tracking import TrackerBase
+from funcaccel.tracking import WandbTracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import normalize_config
