@@ -27,6 +27,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Final
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -328,144 +329,113 @@ def accumulate_step(
         autocast_kwargs,
         num_items,
     )
-    models = as_tuple_of(model, nn.Module, caller=_CALLER, name="model")
-    optimizers = as_tuple_of(
-        optimizer, torch.optim.Optimizer, caller=_CALLER, name="optimizer"
-    )
-    if num_items is None:
-        return _mean_step(
-            ctx,
-            grad,
-            models,
-            optimizers,
-            loss_fn,
-            end_of_dataloader,
-            scaler,
-            max_grad_norm,
-            autocast_kwargs,
-        )
-    return _token_weighted_step(
+    step = _Step(
         ctx,
         grad,
-        models,
-        optimizers,
+        as_tuple_of(model, nn.Module, caller=_CALLER, name="model"),
+        as_tuple_of(optimizer, torch.optim.Optimizer, caller=_CALLER, name="optimizer"),
         loss_fn,
         end_of_dataloader,
         scaler,
         max_grad_norm,
         autocast_kwargs,
-        num_items,
     )
+    if num_items is None:
+        return _mean_step(step)
+    return _token_weighted_step(step, num_items)
 
 
-def _mean_step(
-    ctx: DistributedContext,
-    grad: GradState,
-    models: tuple[nn.Module, ...],
-    optimizers: tuple[torch.optim.Optimizer, ...],
-    loss_fn: Callable[[], torch.Tensor],
-    end_of_dataloader: bool,
-    scaler: torch.amp.GradScaler | None,
-    max_grad_norm: float | None,
-    autocast_kwargs: AutocastKwargs | None,
-) -> tuple[torch.Tensor, GradState]:
-    """Run ``accumulate_step`` for mean losses, its arguments checked."""
+class _Step(NamedTuple):
+    """One micro-step's arguments, checked: what both kinds of step read."""
+
+    ctx: DistributedContext
+    grad: GradState
+    models: tuple[nn.Module, ...]
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    loss_fn: Callable[[], torch.Tensor]
+    end_of_dataloader: bool
+    scaler: torch.amp.GradScaler | None
+    max_grad_norm: float | None
+    autocast_kwargs: AutocastKwargs | None
+
+
+def _mean_step(step: _Step) -> tuple[torch.Tensor, GradState]:
+    """Run ``accumulate_step`` for mean losses."""
+    ctx, grad = step.ctx, step.grad
     if ctx.num_processes > 1 and not dist.is_initialized():
         # The full check (world size and rank) is for wrap_model, at set-up; per
         # micro-step only the group's presence is checked, which costs nothing.
         require_process_group(ctx, _CALLER)
     k = grad.accumulation_steps
-    synced = is_window_end(grad, end_of_dataloader)
-    loss = _micro_batch(ctx, grad, models, synced, loss_fn, k, scaler, autocast_kwargs)
+    synced = is_window_end(grad, step.end_of_dataloader)
+    loss = _micro_batch(step, synced, k)
     skipped = False
     if synced:
         # The window holds m micro-batches, each backward of loss / k: k / m makes
         # the mean over m (a short last window has m < k).
-        factor = k / (grad.micro_step + 1)
-        skipped = _close_window(ctx, models, optimizers, factor, max_grad_norm, scaler)
-    return loss.detach(), next_grad_state(grad, synced, end_of_dataloader, skipped)
+        skipped = _close_window(step, k / (grad.micro_step + 1))
+    return loss.detach(), next_grad_state(grad, synced, step.end_of_dataloader, skipped)
 
 
 def _token_weighted_step(
-    ctx: DistributedContext,
-    grad: GradState,
-    models: tuple[nn.Module, ...],
-    optimizers: tuple[torch.optim.Optimizer, ...],
-    loss_fn: Callable[[], torch.Tensor],
-    end_of_dataloader: bool,
-    scaler: torch.amp.GradScaler | None,
-    max_grad_norm: float | None,
-    autocast_kwargs: AutocastKwargs | None,
-    num_items: int | torch.Tensor,
+    step: _Step, num_items: int | torch.Tensor
 ) -> tuple[torch.Tensor, GradState]:
-    """Run ``accumulate_step`` with ``num_items``, its other arguments checked."""
+    """Run ``accumulate_step`` with ``num_items``."""
+    ctx, grad, end = step.ctx, step.grad, step.end_of_dataloader
     items = check_num_items(_CALLER, num_items)
     p = ctx.num_processes
     if p > 1:
         require_process_group(ctx, _CALLER)
         if grad.micro_step == 0:  # once per window, before anything accumulates
-            _require_averaged_grads(ctx, models)
-    synced = is_window_end(grad, end_of_dataloader)
+            _require_averaged_grads(ctx, step.models)
+    synced = is_window_end(grad, end)
     # Backward of the summed loss itself (k=1): nothing is divided until the
     # window's total is known.
-    loss = _micro_batch(ctx, grad, models, synced, loss_fn, 1, scaler, autocast_kwargs)
+    loss = _micro_batch(step, synced, 1)
     shown = loss.detach() / items if items else loss.detach()
     local = (grad.window_items or 0) + items
     if not synced:
-        return shown, next_grad_state(grad, False, end_of_dataloader, False, local)
+        return shown, next_grad_state(grad, False, end, False, local)
     (total,) = all_reduce_ints(ctx, [local], caller=_CALLER)
     if total == 0:  # nothing to average: no update rather than 0/0
-        for opt in optimizers:
+        for opt in step.optimizers:
             opt.zero_grad(set_to_none=True)
-        return shown, next_grad_state(grad, True, end_of_dataloader, True)
+        return shown, next_grad_state(grad, True, end, True)
     # Each rank now holds (1/p) * sum over ranks of its summed-loss gradients
     # (DDP all-reduces the mean; FSDP2 reduce-scatters the mean of each shard;
     # one process holds the sum itself, p = 1), so p / total gives the sum over
     # ranks divided by the window's item count.
-    skipped = _close_window(ctx, models, optimizers, p / total, max_grad_norm, scaler)
-    return shown, next_grad_state(grad, True, end_of_dataloader, skipped)
+    skipped = _close_window(step, p / total)
+    return shown, next_grad_state(grad, True, end, skipped)
 
 
-def _micro_batch(
-    ctx: DistributedContext,
-    grad: GradState,
-    models: tuple[nn.Module, ...],
-    synced: bool,
-    loss_fn: Callable[[], torch.Tensor],
-    k: int,
-    scaler: torch.amp.GradScaler | None,
-    autocast_kwargs: AutocastKwargs | None,
-) -> torch.Tensor:
+def _micro_batch(step: _Step, synced: bool, k: int) -> torch.Tensor:
     """Run forward and backward, in the no-sync context when the step skips sync."""
-    if is_sync_skipped(ctx, grad, synced):
-        with no_sync_models(_CALLER, models):
-            return _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+    ctx = step.ctx
+    args = (ctx, step.loss_fn, k, step.scaler, step.autocast_kwargs)
+    if is_sync_skipped(ctx, step.grad, synced):
+        with no_sync_models(_CALLER, step.models):
+            return _forward_backward(*args)
     # No null context otherwise: entering one costs more than the rest of the checks.
-    return _forward_backward(ctx, loss_fn, k, scaler, autocast_kwargs)
+    return _forward_backward(*args)
 
 
-def _close_window(
-    ctx: DistributedContext,
-    models: tuple[nn.Module, ...],
-    optimizers: tuple[torch.optim.Optimizer, ...],
-    factor: float,
-    max_grad_norm: float | None,
-    scaler: torch.amp.GradScaler | None,
-) -> bool:
+def _close_window(step: _Step, factor: float) -> bool:
     """Scale the gradients by ``factor``, clip, step, zero; return whether skipped.
 
     Changes the gradients, the optimizers and the scaler in place.
     """
-    if ctx.num_processes > 1:
+    optimizers, scaler = step.optimizers, step.scaler
+    if step.ctx.num_processes > 1:
         # Once per window: an optimizer built before FSDP2 or tensor parallelism
         # replaced the parameters would step nothing, silently.
-        check_optimizers_hold(models, optimizers, _CALLER)
+        check_optimizers_hold(step.models, optimizers, _CALLER)
     if factor != 1.0:
         rescale_grads_(optimizers, factor)
-    if max_grad_norm is not None:
+    if step.max_grad_norm is not None:
         clip_grad_norm_(
             optimizer_parameters(optimizers),
-            max_grad_norm,
+            step.max_grad_norm,
             scaler=scaler,
             optimizer=optimizers,
         )

@@ -56,7 +56,31 @@ def _open_append(owner: str, path: Path) -> IO[str]:
         raise OSError(msg) from error
 
 
-class JSONLTracker(TrackerBase):
+class _FileTracker(TrackerBase):
+    """What the file trackers share: the checked path and clock, a file opened late."""
+
+    __slots__ = ("_clock", "_file", "_path")
+
+    def __init__(
+        self,
+        owner: str,
+        name: str,
+        path: str | os.PathLike[str],
+        main_process_only: bool,
+        clock: Clock,
+    ) -> None:
+        self._path = tracker_path(owner, "path", path)
+        super().__init__(name=name, main_process_only=main_process_only)
+        self._clock = _check_clock(owner, clock)
+        self._file: IO[str] | None = None
+
+    @property
+    def path(self) -> Path:
+        """The file written."""
+        return self._path
+
+
+class JSONLTracker(_FileTracker):
     """Append one JSON object per line to ``path``.
 
     ``log(values, step)`` writes ``{"step": step, "time": <wall time>, **values}``;
@@ -72,7 +96,7 @@ class JSONLTracker(TrackerBase):
         clock: the wall-time source for ``"time"``; ``time.time`` by default.
     """
 
-    __slots__ = ("_clock", "_file", "_path")
+    __slots__ = ()
 
     def __init__(
         self,
@@ -81,15 +105,7 @@ class JSONLTracker(TrackerBase):
         main_process_only: bool = True,
         clock: Clock = time.time,
     ) -> None:
-        self._path = tracker_path("JSONLTracker", "path", path)
-        super().__init__(name="jsonl", main_process_only=main_process_only)
-        self._clock = _check_clock("JSONLTracker", clock)
-        self._file: IO[str] | None = None
-
-    @property
-    def path(self) -> Path:
-        """The file written."""
-        return self._path
+        super().__init__("JSONLTracker", "jsonl", path, main_process_only, clock)
 
     def _write(self, record: Mapping[str, object]) -> None:
         line = json.dumps(record) + "\n"
@@ -120,7 +136,7 @@ class JSONLTracker(TrackerBase):
             self._file = None
 
 
-class CSVTracker(TrackerBase):
+class CSVTracker(_FileTracker):
     """Append one CSV row per ``log`` to ``path``; columns are fixed once.
 
     The columns are ``step``, ``time`` and the metric names of the first ``log``, in
@@ -140,7 +156,7 @@ class CSVTracker(TrackerBase):
         clock: the wall-time source for ``time``; ``time.time`` by default.
     """
 
-    __slots__ = ("_clock", "_columns", "_file", "_path", "_writer")
+    __slots__ = ("_columns", "_writer")
 
     def __init__(
         self,
@@ -149,17 +165,9 @@ class CSVTracker(TrackerBase):
         main_process_only: bool = True,
         clock: Clock = time.time,
     ) -> None:
-        self._path = tracker_path("CSVTracker", "path", path)
-        super().__init__(name="csv", main_process_only=main_process_only)
-        self._clock = _check_clock("CSVTracker", clock)
+        super().__init__("CSVTracker", "csv", path, main_process_only, clock)
         self._columns: tuple[str, ...] | None = None
-        self._file: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None
-
-    @property
-    def path(self) -> Path:
-        """The CSV file written."""
-        return self._path
 
     @property
     def config_path(self) -> Path:
