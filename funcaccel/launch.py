@@ -325,11 +325,11 @@ def _exit_message(rank: int, code: int | None, num_processes: int) -> str:
 def _wait(
     processes: list[BaseProcess],
     rundir: Path,
+    deadline: float | None,
     timeout_s: float | None,
 ) -> list[_Outcome]:
     """Wait for every rank's outcome; kill all and raise on a failure or the deadline."""
     n = len(processes)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     outcomes: dict[int, _Outcome] = {}
     while len(outcomes) < n:
         for rank, process in enumerate(processes):
@@ -480,7 +480,7 @@ def launch(
                 raise TypeError(msg) from error
             processes.append(process)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        outcomes = _wait(processes, rundir, timeout_s)
+        outcomes = _wait(processes, rundir, deadline, timeout_s)
         _wait_for_exits(processes, deadline, timeout_s)
         results: list[T] = [pickle.loads(o.payload) for o in outcomes]
         return results
