@@ -53,6 +53,7 @@ from funcaccel.grad_state import advance_grad_state
 from funcaccel.grad_state import check_grad_state
 from funcaccel.grad_state import check_num_items
 from funcaccel.grad_state import check_window_kind
+from funcaccel.grad_state import closing_factor
 from funcaccel.grad_state import is_sync_skipped
 from funcaccel.grad_state import is_window_end
 from funcaccel.grad_state import next_grad_state
@@ -366,14 +367,9 @@ def _mean_step(step: _Step) -> tuple[torch.Tensor, GradState]:
         # The full check (world size and rank) is for wrap_model, at set-up; per
         # micro-step only the group's presence is checked, which costs nothing.
         require_process_group(ctx, _CALLER)
-    k = grad.accumulation_steps
     synced = is_window_end(grad, step.end_of_dataloader)
-    loss = _micro_batch(step, synced, k)
-    skipped = False
-    if synced:
-        # The window holds m micro-batches, each backward of loss / k: k / m makes
-        # the mean over m (a short last window has m < k).
-        skipped = _close_window(step, k / (grad.micro_step + 1))
+    loss = _micro_batch(step, synced, grad.accumulation_steps)
+    skipped = synced and _close_window(step, closing_factor(grad))
     return loss.detach(), next_grad_state(grad, synced, step.end_of_dataloader, skipped)
 
 

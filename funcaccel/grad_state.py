@@ -349,6 +349,20 @@ def is_sync_skipped(ctx: DistributedContext, grad: GradState, synced: bool) -> b
     return not synced and ctx.num_processes > 1 and not grad.sync_each_batch
 
 
+def closing_factor(grad: GradState) -> float:
+    """Return ``k / m`` for a micro-step that closes a window, for a checked state.
+
+    Backward runs on ``loss / k``; the window holds ``m = grad.micro_step + 1``
+    micro-batches, so ``k / m`` turns the sum into the mean over ``m`` (1 for a
+    full window, more for a short last one). The one statement of the factor:
+    ``window_grad_factor`` and the stepping code ask it.
+
+    >>> closing_factor(GradState(accumulation_steps=4, micro_step=1, sync_gradients=False))
+    2.0
+    """
+    return grad.accumulation_steps / (grad.micro_step + 1)
+
+
 def window_grad_factor(grad: GradState, *, end_of_dataloader: bool = False) -> float:
     """Return the factor the next micro-step's gradients need before the step.
 
@@ -363,7 +377,7 @@ def window_grad_factor(grad: GradState, *, end_of_dataloader: bool = False) -> f
     """
     if not should_sync(grad, end_of_dataloader=end_of_dataloader):
         return 1.0
-    return grad.accumulation_steps / (grad.micro_step + 1)
+    return closing_factor(grad)
 
 
 def advance_grad_state(

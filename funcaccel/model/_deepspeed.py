@@ -39,6 +39,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
 from funcaccel.grad_state import check_num_items
+from funcaccel.grad_state import closing_factor
 from funcaccel.grad_state import is_window_end
 from funcaccel.grad_state import next_grad_state
 from funcaccel.model._deepspeed_options import DeepSpeedOptions
@@ -234,7 +235,6 @@ def deepspeed_step(
 ) -> tuple[torch.Tensor, GradState]:
     """Run ``accumulate_step`` for a DeepSpeed engine (the same rules as DDP's)."""
     _check_engine_step(grad, engine, optimizer, scaler, autocast_kwargs, max_grad_norm)
-    k = grad.accumulation_steps
     synced = is_window_end(grad, end_of_dataloader)
     items = None if num_items is None else check_num_items("accumulate_step", num_items)
     with engine_boundary_ctx((engine,), synced):  # sync_ctx's context for engines
@@ -260,7 +260,7 @@ def deepspeed_step(
         engine.step()  # counts the micro-step; the engine updates nothing here
         return shown, next_grad_state(grad, False, end_of_dataloader, False, local)
     if local is None:
-        factor = k / (grad.micro_step + 1)
+        factor = closing_factor(grad)
     else:
         (total,) = all_reduce_ints(ctx, [local], caller="accumulate_step")
         if total == 0:
