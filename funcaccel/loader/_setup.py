@@ -232,6 +232,190 @@ def _check_batching(
         raise ValueError(msg)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Plan:
+    """What ``shard_loader``'s checked arguments decide, before anything is built."""
+
+    view: DistributedContext
+    split_batches: bool
+    put_on_device: bool
+    rng_types: tuple[RngType, ...]
+    even_batches: bool
+    seed: int
+    non_blocking: bool
+    slice_fn: SliceFn | None
+    iterable: bool
+    dispatch: bool
+    reads: bool  # this rank reads data (only global rank 0 does when dispatching)
+    batch_size: int | None  # bs of the original loader
+    total_batch_size: int | None  # G
+
+
+def _plan(
+    ctx: DistributedContext,
+    dataloader: DataLoader[Any],
+    *,
+    split_batches: bool,
+    put_on_device: bool,
+    rng_types: Sequence[RngType] | None,
+    dispatch_batches: bool | None,
+    even_batches: bool,
+    seed: int,
+    non_blocking: bool,
+    slice_fn: SliceFn | None,
+    mesh: ParallelMesh | None,
+) -> _Plan:
+    """Check the arguments (the first half of ``build_setup``) and decide who reads."""
+    flags = {
+        "split_batches": split_batches,
+        "put_on_device": put_on_device,
+        "even_batches": even_batches,
+        "non_blocking": non_blocking,
+    }
+    _check_types(ctx, dataloader, flags, dispatch_batches, seed, slice_fn)
+    view = ctx if mesh is None else check_mesh(ctx, mesh, _WHERE).dp_view(ctx)
+    rngs = _check_rng_types(rng_types, ctx)
+    _check_no_generator(dataloader)
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and not put_on_device:
+        msg = (
+            f"{_WHERE}: dispatch_batches=True needs put_on_device=True (got False): "
+            "rank 0 sends each rank its rows; pass put_on_device=True or "
+            "dispatch_batches=False."
+        )
+        raise ValueError(msg)
+    wanted = (
+        put_on_device and iterable if dispatch_batches is None else dispatch_batches
+    )
+    p = view.num_processes
+    dispatch = wanted and p > 1
+    bs = _original_batch_size(dataloader)
+    _check_batching(
+        view,
+        batch_size=bs,
+        split_batches=split_batches,
+        dispatch=dispatch,
+        batched=_batches_of(dataloader) is not None,
+    )
+    return _Plan(
+        view=view,
+        split_batches=split_batches,
+        put_on_device=put_on_device,
+        rng_types=rngs,
+        even_batches=even_batches,
+        seed=seed,
+        non_blocking=non_blocking,
+        slice_fn=slice_fn,
+        iterable=iterable,
+        dispatch=dispatch,
+        # Only global rank 0 reads when dispatching (its data-parallel rank is 0).
+        reads=not dispatch or ctx.process_index == 0,
+        batch_size=bs,
+        total_batch_size=None if bs is None else bs if split_batches else bs * p,
+    )
+
+
+def _iterable_inner(
+    dataset: Any, plan: _Plan, kept: dict[str, Any], *, drop_last: bool, split: bool
+) -> tuple[DataLoader[Any] | None, bool]:
+    """Return the inner loader over iterable data and whether it counts samples."""
+    bs, total = plan.batch_size, plan.total_batch_size
+    counted = not (
+        plan.dispatch or drop_last or total is None or isinstance(dataset, Sized)
+    )
+    if not plan.reads:
+        return None, counted
+    p, stream, size = plan.view.num_processes, dataset, bs
+    shard: dict[str, Any] | None = None
+    if not plan.dispatch and p > 1:
+        assert bs is not None and total is not None  # _check_batching
+        size = total // p if split else bs
+        shard = {
+            "batch_size": bs,
+            "drop_last": drop_last,
+            "num_processes": p,
+            "process_index": plan.view.process_index,
+            "split_batches": split,
+        }
+        stream = shard_iterable_dataset(dataset, **shard)
+    if counted:
+        stream = CountedStream(dataset, shard)
+        kept["collate_fn"] = TaggedCollate(kept["collate_fn"])
+    return DataLoader(stream, batch_size=size, drop_last=drop_last, **kept), counted
+
+
+def _map_inner(
+    dataloader: DataLoader[Any],
+    base: BaseIndices,
+    plan: _Plan,
+    kept: dict[str, Any],
+    *,
+    split: bool,
+    even_batches: bool,
+) -> DataLoader[Any] | None:
+    """Return the inner loader over map-style data, fed through an ``IndexSlot``."""
+    p = plan.view.num_processes
+    if not plan.dispatch and p > 1:
+        # Fail now, not at the first epoch, on a sampler sharding rejects.
+        shard_batch_sampler(
+            base.for_length(),
+            num_processes=p,
+            process_index=plan.view.process_index,
+            split_batches=split,
+            even_batches=even_batches,
+        )
+    if not plan.reads:
+        return None
+    slot, dataset = IndexSlot(), dataloader.dataset
+    if dataloader.batch_sampler is not None:
+        return DataLoader(dataset, batch_sampler=slot, **kept)
+    return DataLoader(dataset, batch_size=None, sampler=slot, **kept)
+
+
+def _build(ctx: DistributedContext, dataloader: DataLoader[Any], plan: _Plan) -> Setup:
+    """Build the inner loader and the ``Setup`` (the second half of ``build_setup``)."""
+    kept = kept_settings(dataloader)
+    # The inner loader draws its worker base seed from a generator of its own, not
+    # from the global RNG (nor from the caller's generator, which stays unconsumed):
+    # so ranks that synchronised "torch" stay in step even when only rank 0 reads.
+    kept["generator"] = worker_generator = torch.Generator()
+    split, dataset = plan.split_batches, dataloader.dataset
+    base = None if plan.iterable else _base_indices(dataloader, plan.seed)
+    if base is None:
+        drop_last = dataloader.drop_last
+        inner, counted = _iterable_inner(
+            dataset, plan, kept, drop_last=drop_last, split=split
+        )
+    else:
+        drop_last, counted = base.drop_last, False
+        even = plan.even_batches
+        inner = _map_inner(dataloader, base, plan, kept, split=split, even_batches=even)
+    return Setup(
+        ctx=ctx,
+        view=plan.view,
+        dataloader=dataloader,
+        split_batches=split,
+        put_on_device=plan.put_on_device,
+        rng_types=plan.rng_types,
+        dispatch=plan.dispatch,
+        even_batches=plan.even_batches,
+        seed=plan.seed,
+        non_blocking=plan.non_blocking,
+        slice_fn=plan.slice_fn,
+        iterable=plan.iterable,
+        batch_size=plan.batch_size,
+        drop_last=drop_last,
+        total_batch_size=plan.total_batch_size,
+        base=base,
+        inner=inner,
+        counted=counted,
+        sync_generator=None if base is None else base.generator,
+        reseed_generator=None if base is not None else _reseeded_generator(dataset),
+        worker_generator=worker_generator,
+        epoch_targets=_epoch_targets(dataloader, base),
+    )
+
+
 def build_setup(
     ctx: DistributedContext,
     dataloader: DataLoader[Any],
@@ -251,118 +435,23 @@ def build_setup(
     The rules: docs/loader.md#semantics-building-a-sharded-loader. With a ``mesh``
     the sharding arithmetic runs on its data-parallel view of ``ctx``
     (``mesh.dp_size`` ranks), so a tensor-parallel group reads the same batches.
+    Two halves: ``_plan`` checks the arguments and decides who reads how much;
+    ``_build`` builds the inner loader from that plan.
     """
-    flags = {
-        "split_batches": split_batches,
-        "put_on_device": put_on_device,
-        "even_batches": even_batches,
-        "non_blocking": non_blocking,
-    }
-    _check_types(ctx, dataloader, flags, dispatch_batches, seed, slice_fn)
-    view = ctx if mesh is None else check_mesh(ctx, mesh, _WHERE).dp_view(ctx)
-    rngs = _check_rng_types(rng_types, ctx)
-    _check_no_generator(dataloader)
-    dataset: Any = dataloader.dataset
-    iterable = isinstance(dataset, IterableDataset)
-    if dispatch_batches and not put_on_device:
-        msg = (
-            f"{_WHERE}: dispatch_batches=True needs put_on_device=True (got False): "
-            "rank 0 sends each rank its rows; pass put_on_device=True or "
-            "dispatch_batches=False."
-        )
-        raise ValueError(msg)
-    wanted = (
-        put_on_device and iterable if dispatch_batches is None else dispatch_batches
-    )
-    p, rank = view.num_processes, view.process_index
-    # Only global rank 0 reads when dispatching (its data-parallel rank is 0).
-    reads = not (wanted and p > 1) or ctx.process_index == 0
-    dispatch = wanted and p > 1
-    bs = _original_batch_size(dataloader)
-    batched = dataloader.batch_sampler is not None
-    yields_batches = _batches_of(dataloader) is not None
-    _check_batching(
-        view,
-        batch_size=bs,
-        split_batches=split_batches,
-        dispatch=dispatch,
-        batched=yields_batches,
-    )
-    total = None if bs is None else bs if split_batches else bs * p
-    kept = kept_settings(dataloader)
-    # The inner loader draws its worker base seed from a generator of its own, not
-    # from the global RNG (nor from the caller's generator, which stays unconsumed):
-    # so ranks that synchronised "torch" stay in step even when only rank 0 reads.
-    kept["generator"] = worker_generator = torch.Generator()
-    base: BaseIndices | None = None
-    inner: DataLoader[Any] | None = None
-    counted = False
-    if iterable:
-        drop_last = dataloader.drop_last
-        counted = not (
-            dispatch or drop_last or total is None or isinstance(dataset, Sized)
-        )
-        if reads:
-            stream: Any = dataset
-            size = bs
-            shard: dict[str, Any] | None = None
-            if not dispatch and p > 1:
-                assert bs is not None and total is not None  # _check_batching
-                size = total // p if split_batches else bs
-                shard = {
-                    "batch_size": bs,
-                    "drop_last": drop_last,
-                    "num_processes": p,
-                    "process_index": rank,
-                    "split_batches": split_batches,
-                }
-                stream = shard_iterable_dataset(dataset, **shard)
-            if counted:
-                stream = CountedStream(dataset, shard)
-                kept["collate_fn"] = TaggedCollate(kept["collate_fn"])
-            inner = DataLoader(stream, batch_size=size, drop_last=drop_last, **kept)
-    else:
-        base = _base_indices(dataloader, seed)
-        drop_last = base.drop_last
-        if not dispatch and p > 1:
-            # Fail now, not at the first epoch, on a sampler sharding rejects.
-            shard_batch_sampler(
-                base.for_length(),
-                num_processes=p,
-                process_index=rank,
-                split_batches=split_batches,
-                even_batches=even_batches,
-            )
-        if reads:
-            slot = IndexSlot()
-            if batched:
-                inner = DataLoader(dataset, batch_sampler=slot, **kept)
-            else:
-                inner = DataLoader(dataset, batch_size=None, sampler=slot, **kept)
-    return Setup(
-        ctx=ctx,
-        view=view,
-        dataloader=dataloader,
+    plan = _plan(
+        ctx,
+        dataloader,
         split_batches=split_batches,
         put_on_device=put_on_device,
-        rng_types=rngs,
-        dispatch=dispatch,
+        rng_types=rng_types,
+        dispatch_batches=dispatch_batches,
         even_batches=even_batches,
         seed=seed,
         non_blocking=non_blocking,
         slice_fn=slice_fn,
-        iterable=iterable,
-        batch_size=bs,
-        drop_last=drop_last,
-        total_batch_size=total,
-        base=base,
-        inner=inner,
-        counted=counted,
-        sync_generator=None if base is None else base.generator,
-        reseed_generator=_reseeded_generator(dataset) if iterable else None,
-        worker_generator=worker_generator,
-        epoch_targets=_epoch_targets(dataloader, base),
+        mesh=mesh,
     )
+    return _build(ctx, dataloader, plan)
 
 
 def _reseeded_generator(dataset: object) -> torch.Generator | None:
