@@ -230,82 +230,44 @@ def accumulate_step(
 ) -> tuple[torch.Tensor, GradState]:
     """Run one micro-batch and, when its window closes, step the optimizer(s).
 
-    Changes the models' gradients, the optimizers and the scaler in place; ``grad``
-    is left unchanged and the next state is returned. In order:
+    Changes the gradients, the optimizers and the scaler in place; ``grad`` is left
+    unchanged. While the window is open, ``loss_fn()`` and its backward run in the
+    models' no-sync context (several processes). The micro-step that closes it (the
+    ``k``-th, or ``end_of_dataloader``) scales a short window of ``m`` micro-batches
+    by ``k / m``, clips, steps every optimizer and zeroes the gradients, so the step
+    sees the mean loss over the window's micro-batches on all ranks. With
+    ``num_items`` it is token-weighted: summed losses over the window's item count.
+    A DeepSpeed engine follows the same windows through its own step.
 
-    1. The micro-step syncs iff it is the ``k``-th of its window or
-       ``end_of_dataloader`` (with ``grad.sync_with_dataloader``); it then closes a
-       window of ``m = grad.micro_step + 1`` micro-batches.
-    2. When it does not sync (several processes, no ``sync_each_batch``),
-       ``loss_fn()`` and the backward pass run in ``sync_ctx`` (DDP ``no_sync``,
-       FSDP2 gradient sync off), so gradients accumulate locally.
-    3. ``loss_fn()`` runs under ``autocast_ctx(ctx, autocast_kwargs)``; backward of
-       ``loss / k``, through ``scaler.scale`` when a scaler is given (without a
-       scaler, backward of ``loss`` seeded with ``1 / k``: the same gradients, bit
-       for bit, with no division node in the graph).
-    4. On a syncing micro-step only: gradients times ``k / m`` if ``m < k``; unscale
-       and clip to ``max_grad_norm`` if set; ``optimizer_step`` (every optimizer,
-       then ``scaler.update()``); ``zero_grad(set_to_none=True)``.
-
-    The step therefore sees the gradient of ``(1 / (p*m)) * sum`` of the window's
-    losses over all ranks. With 2 ranks, ``k=2`` and samples dealt 0,2,4.. / 1,3,5..:
-    after micro-step 1 rank 0 holds ``g(0)/2`` and rank 1 ``g(1)/2``; micro-step 2
-    syncs and both step with ``(g(0)+g(1)+g(2)+g(3))/4``.
-
-    **Token-weighted** (``num_items=n``): ``loss_fn()`` returns the *sum* of the
-    micro-batch's per-item losses (e.g. ``cross_entropy(..., reduction="sum",
-    ignore_index=-100)``) and ``n`` counts its items on this rank (0 allowed).
-    Backward runs on that sum, unscaled; ``new_grad.window_items`` adds up ``n``
-    while the window is open. On the syncing micro-step one all-reduce gives the
-    window's total ``N`` over all ranks (none with one process); the gradients,
-    which DDP or FSDP2 have just averaged over the ``p`` ranks, are multiplied by
-    ``p / N``, so the step sees ``sum over ranks and micro-steps of the summed-loss
-    gradients / N``, short windows included. If ``N == 0`` the step is skipped
-    (gradients zeroed, ``new_grad.step_was_skipped``). Every micro-step of a window
-    passes ``num_items`` or none does. With 2 ranks and ``k=2``: rank 0 holds items
-    {3, 0} in its two micro-steps and rank 1 {1, 4}; both step with ``(G0 + G1) /
-    8``, ``G0`` and ``G1`` being the ranks' sums of per-item gradients.
-
-    **DeepSpeed** (``model`` an engine from ``wrap_model(..., deepspeed=...)``):
-    the same windows, gradients and ``GradState``; the engine's ``backward`` and
-    ``step`` replace 2-4 (no autocast or scaler of funcaccel's: the engine's
-    config sets the precision), ``optimizer`` is the one given to ``wrap_model``,
-    and an fp16 step the engine skipped sets ``new_grad.step_was_skipped``
-    (docs/deepspeed.md).
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> grad = GradState(accumulation_steps=2)
+    >>> for x in torch.ones(3, 2):  # windows of 2 micro-batches, then 1 open
+    ...     loss, grad = accumulate_step(
+    ...         DistributedContext(), grad, model, opt, lambda: model(x).sum()
+    ...     )
+    >>> grad.optimizer_steps, grad.micro_step
+    (1, 1)
 
     Args:
-        ctx: the run's context.
-        grad: the state before this micro-step.
-        model: the model(s) the loss flows through (their no-sync contexts are
-            entered); DDP or FSDP2 modules with several processes.
-        optimizer: one optimizer or a sequence of them; all step together.
-        loss_fn: called with no argument, returns the micro-batch's scalar loss.
-        end_of_dataloader: whether this is the last micro-batch (``batch.is_last``).
-        scaler: the fp16 grad scaler (``build_grad_scaler``); required for fp16.
-        max_grad_norm: clip the total gradient norm to this before stepping.
-        autocast_kwargs: options for the autocast context.
-        num_items: this micro-batch's item count on this rank (an ``int`` or a
-            0-dim integer tensor, ``>= 0``) for a token-weighted step, ``None``
-            for a mean loss. Pass it on every rank.
+        ctx, grad: the run's context and the state before this micro-step.
+        model, optimizer: one or a sequence each (DDP, FSDP2 or plain modules).
+        loss_fn: no argument; the micro-batch's scalar loss (with ``num_items``,
+            its summed loss).
+        end_of_dataloader: ``batch.is_last``; closes a short last window.
+        scaler, max_grad_norm, autocast_kwargs: fp16 scaler (required for fp16),
+            clipping norm, autocast options.
+        num_items: this rank's item count for a token-weighted step, or ``None``.
 
     Returns:
-        ``(loss.detach(), new_grad)``: the undivided loss (token-weighted: the
-        micro-batch's mean loss per item, ``loss / n``, or the summed loss itself
-        when ``n == 0``) and the next state; with several optimizers
-        ``new_grad.step_was_skipped`` is true when the scaler skipped any of their
-        steps.
+        ``(loss.detach(), new_grad)``: the undivided loss (token-weighted: per item)
+        and the next state (``step_was_skipped`` when the scaler skipped a step).
 
     Raises:
-        TypeError: an argument of the wrong type, or ``loss_fn()`` not returning a
-            tensor.
-        ValueError: fp16 without a scaler, ``max_grad_norm <= 0``, a loss that
-            is not a scalar or does not require grad, a negative or non-0-dim
-            ``num_items``, a window that mixes ``num_items`` and mean losses,
-            ``num_items`` with several processes and a model whose gradients no
-            DDP or FSDP2 averages, or (on a syncing micro-step) an optimizer
-            holding none of an FSDP2 model's parameters (built before
-            ``wrap_model`` and not passed to its ``optimizers``).
+        TypeError, ValueError: a wrong argument or loss, named with its fix.
         RuntimeError: several processes but no matching process group.
+
+    docs/accumulate.md states the exact rules, with per-rank examples.
     """
     if type(model) is not DistributedDataParallel and is_deepspeed_engine(model):
         return deepspeed_step(
