@@ -66,6 +66,21 @@ def test_the_later_modules_load_on_first_use_only() -> None:
     assert "funcaccel.tracking" not in after  # only what was asked for
 
 
+def test_the_one_list_of_imports_gives_all_and_the_lazy_names() -> None:
+    # __all__ and the lazy map are read from the package's import lines; a parse
+    # that found nothing would leave the other tests here nothing to check.
+    exported = set(funcaccel.__all__)
+    assert {"wrap_model", "accumulate_step", "save_checkpoint", "set_seed"} <= exported
+    assert len(exported) >= 100
+    lazy = dict(funcaccel._LAZY)
+    assert lazy["save_checkpoint"] == "funcaccel.checkpoint"
+    assert set(lazy) <= exported
+    assert {m.split(".")[1] for m in lazy.values()} == {
+        m.split(".")[1] for m in LOADED_LATER
+    }
+    assert not any(name.startswith("_") for name in exported)
+
+
 def test_every_exported_name_resolves() -> None:
     missing = [name for name in funcaccel.__all__ if not hasattr(funcaccel, name)]
     assert missing == []
