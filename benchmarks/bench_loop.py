@@ -1,6 +1,9 @@
 """Training-loop overhead of funcaccel's accumulation against plain PyTorch.
 
-A tiny MLP trains for one epoch of micro-batches with gradient accumulation 4 and a
+A tiny MLP (``--model mlp``, about 15 µs of work per micro-step on one CPU thread) or
+a tiny transformer (``--model transformer``: two encoder layers, width 64, 4 heads,
+32 tokens a sequence, a few milliseconds a micro-step, the size where users' steps
+are) trains for one epoch of micro-batches with gradient accumulation 4 and a
 StepLR scheduler, three ways: plain PyTorch (``loss / k``, backward, step every k),
 funcaccel (``accumulate_step`` + ``maybe_step_scheduler``) and, when it is
 importable, Accelerate (``accumulate`` context, ``backward``, prepared optimizer and
@@ -52,16 +55,42 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Epoch = Callable[[], None]
 
 
-def _model(seed: int) -> nn.Module:
+WIDTH = 32
+TOKENS = 32
+
+
+class _TinyTransformer(nn.Module):
+    """Two encoder layers over 32 tokens of width 64, pooled to one output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, 64)
+        layer = nn.TransformerEncoderLayer(
+            64, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.encoder(self.embed(x)).mean(dim=1))
+        return out
+
+
+def _model(seed: int, kind: str) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    if kind == "transformer":
+        return _TinyTransformer()
+    return nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
-def _batches(n: int, batch_size: int, device: torch.device) -> Batches:
+def _batches(n: int, batch_size: int, device: torch.device, kind: str) -> Batches:
     gen = torch.Generator().manual_seed(0)
+    shape = (
+        (batch_size, TOKENS, WIDTH) if kind == "transformer" else (batch_size, WIDTH)
+    )
     return [
         (
-            torch.randn(batch_size, 32, generator=gen).to(device),
+            torch.randn(*shape, generator=gen).to(device),
             torch.randn(batch_size, 1, generator=gen).to(device),
         )
         for _ in range(n)
@@ -69,17 +98,19 @@ def _batches(n: int, batch_size: int, device: torch.device) -> Batches:
 
 
 def _training_objects(
-    seed: int, device: torch.device
+    seed: int, device: torch.device, kind: str
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    model = _model(seed).to(device)
+    model = _model(seed, kind).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.99)
     return model, optimizer, scheduler
 
 
-def plain_epoch(ctx: DistributedContext, batches: Batches) -> tuple[Epoch, nn.Module]:
+def plain_epoch(
+    ctx: DistributedContext, batches: Batches, kind: str
+) -> tuple[Epoch, nn.Module]:
     """Return one epoch of the loop written in plain PyTorch, and its model."""
-    model, optimizer, scheduler = _training_objects(0, ctx.device)
+    model, optimizer, scheduler = _training_objects(0, ctx.device, kind)
     k, last = ACCUMULATION_STEPS, len(batches) - 1
     dtype = autocast_dtype(ctx.mixed_precision)
     if dtype is None:
@@ -118,10 +149,10 @@ def _loss_fn(
 
 
 def funcaccel_epoch(
-    ctx: DistributedContext, batches: Batches
+    ctx: DistributedContext, batches: Batches, kind: str
 ) -> tuple[Epoch, nn.Module]:
     """Return one epoch of the same loop through accumulate_step, and its model."""
-    model, optimizer, scheduler = _training_objects(0, ctx.device)
+    model, optimizer, scheduler = _training_objects(0, ctx.device, kind)
     scaler = build_grad_scaler(ctx)
     last = len(batches) - 1
 
@@ -142,7 +173,9 @@ def funcaccel_epoch(
     return run, model
 
 
-def accelerate_epoch(ctx: DistributedContext, batches: Batches) -> Epoch | None:
+def accelerate_epoch(
+    ctx: DistributedContext, batches: Batches, kind: str
+) -> Epoch | None:
     """Return one epoch through Accelerate, or None when it is not installed."""
     try:
         accelerate: Any = importlib.import_module("accelerate")
@@ -153,7 +186,9 @@ def accelerate_epoch(ctx: DistributedContext, batches: Batches) -> Epoch | None:
         cpu=ctx.device.type == "cpu",
         mixed_precision=ctx.mixed_precision,
     )
-    model, optimizer, scheduler = accelerator.prepare(*_training_objects(0, ctx.device))
+    model, optimizer, scheduler = accelerator.prepare(
+        *_training_objects(0, ctx.device, kind)
+    )
 
     def run() -> None:
         for x, y in batches:
@@ -178,6 +213,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
@@ -191,6 +227,8 @@ def main() -> None:
         "unaffected by time spent descheduled on a shared machine); wall: elapsed",
     )
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error(f"--repeats must be at least 2 (quartiles); got {args.repeats}")
     if args.micro_batches % ACCUMULATION_STEPS:
         # A short last window would be scaled differently: funcaccel takes its
         # exact mean, the plain loop's loss / k under-weights it.
@@ -202,15 +240,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     precision: MixedPrecision = args.mixed_precision
     ctx = DistributedContext(device=device, mixed_precision=precision)
-    batches = _batches(args.micro_batches, args.batch_size, device)
-    plain_run, plain_model = plain_epoch(ctx, batches)
-    ours_run, our_model = funcaccel_epoch(ctx, batches)
+    kind = args.model
+    batches = _batches(args.micro_batches, args.batch_size, device, kind)
+    plain_run, plain_model = plain_epoch(ctx, batches, kind)
+    ours_run, our_model = funcaccel_epoch(ctx, batches, kind)
     variants: dict[str, Epoch] = {
         "plain PyTorch": plain_run,
-        "plain PyTorch again (noise control)": plain_epoch(ctx, batches)[0],
+        "plain PyTorch again (noise control)": plain_epoch(ctx, batches, kind)[0],
         "funcaccel": ours_run,
     }
-    accelerate_run = None if args.no_accelerate else accelerate_epoch(ctx, batches)
+    accelerate_run = (
+        None if args.no_accelerate else accelerate_epoch(ctx, batches, kind)
+    )
     if accelerate_run is not None:
         variants["Accelerate"] = accelerate_run
     for run in variants.values():  # warm-up: allocator, autograd and dispatch caches
@@ -235,7 +276,7 @@ def main() -> None:
     if not same and precision != "fp16":
         raise SystemExit("bench_loop: the plain and funcaccel models differ")
     print(
-        f"{args.micro_batches} micro-batches of {args.batch_size}, accumulation "
+        f"{kind}: {args.micro_batches} micro-batches of {args.batch_size}, accumulation "
         f"{ACCUMULATION_STEPS}, {args.repeats} interleaved repetitions, "
         f"{args.threads} thread(s), {clock_name} clock, device {device}, mixed "
         f"precision {precision}; identical final parameters: {same}\n"

@@ -76,6 +76,16 @@ def test_bench_loop_runs_and_both_loops_end_equal(precision: str) -> None:
     _check_rows(out, LOOP_ROWS, 7, {"plain PyTorch": ONE_RATIO})
 
 
+def test_bench_loop_on_the_tiny_transformer_ends_equal() -> None:
+    out = _run(
+        "bench_loop", "--repeats", 2, "--micro-batches", 4, "--batch-size", 2,
+        "--no-accelerate", "--model", "transformer",
+    )  # fmt: skip
+    assert out.startswith("transformer: 4 micro-batches of 2")
+    assert "identical final parameters: True" in out
+    _check_rows(out, LOOP_ROWS, 7, {"plain PyTorch": ONE_RATIO})
+
+
 @pytest.mark.distributed
 def test_bench_ddp_runs_and_both_loops_end_equal() -> None:
     out = _run(
