@@ -48,6 +48,7 @@ T = TypeVar("T")
 
 SUMMARY_LIMIT: Final = 80
 """The most characters ``summary`` keeps of a value's ``repr``."""
+_SCALER: Final = ("a torch.amp.GradScaler or None", "Build one with build_grad_scaler.")
 
 
 def is_bool(value: object) -> bool:
@@ -141,21 +142,14 @@ def as_tuple_of(
     ):
         items = tuple(value)
         if not items:
-            msg = f"{caller}: {name} is an empty sequence; pass at least one {kind.__name__}."
-            raise ValueError(msg)
+            raise ValueError(
+                f"{caller}: {name} is an empty sequence; pass at least one {kind.__name__}."
+            )
         for item in items:
             if not isinstance(item, kind):
-                msg = (
-                    f"{caller}: every item of {name} must be {a_or_an(kind.__name__)}; got "
-                    f"{summary(item)} ({type_name(item)})."
-                )
-                raise TypeError(msg)
+                fail_type(caller, f"every item of {name}", item, a_or_an(kind.__name__))
         return items
-    msg = (
-        f"{caller}: {name} must be {a_or_an(kind.__name__)} or a sequence of them; got "
-        f"{summary(value)} ({type_name(value)})."
-    )
-    raise TypeError(msg)
+    fail_type(caller, name, value, f"{a_or_an(kind.__name__)} or a sequence of them")
 
 
 def fail_type(
@@ -170,9 +164,15 @@ def fail_type(
     Traceback (most recent call last):
     TypeError: f: n must be an int; got '3' (str). Pass int(n).
     """
+    _fail(TypeError, caller, name, f"{summary(value)} ({type_name(value)})", what, hint)
+
+
+def _fail(
+    error: type[Exception], caller: str, name: str, got: str, what: str, hint: str
+) -> NoReturn:
+    """Raise ``error`` with the one message shape of ``fail_type`` and ``fail_value``."""
     fix = f" {hint}" if hint else ""
-    msg = f"{caller}: {name} must be {what}; got {summary(value)} ({type_name(value)}).{fix}"
-    raise TypeError(msg)
+    raise error(f"{caller}: {name} must be {what}; got {got}.{fix}")
 
 
 def check_type(
@@ -221,27 +221,20 @@ def check_choice(
     if value in choices and type(value) in {type(choice) for choice in choices}:
         return value
     listed = ", ".join(repr(choice) for choice in choices)
-    fix = f" {hint}" if hint else ""
-    msg = f"{caller}: {name} must be one of {listed}; got {summary(value)}.{fix}"
-    raise ValueError(msg)
+    fail_value(caller, name, value, f"one of {listed}", hint)
 
 
 def check_bool(caller: str, name: str, value: object) -> bool:
     """Return ``value`` if it is a bool; raise ``TypeError`` naming ``caller`` if not."""
     if type(value) is not bool:
-        msg = f"{caller}: {name} must be a bool; got {summary(value)} ({type_name(value)})."
-        raise TypeError(msg)
+        fail_type(caller, name, value, "a bool")
     return value
 
 
 def check_int(caller: str, name: str, value: object, minimum: int) -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``."""
     if not is_int(value):
-        msg = (
-            f"{caller}: {name} must be an int; got {summary(value)} ({type_name(value)}); "
-            f"pass an int >= {minimum}."
-        )
-        raise TypeError(msg)
+        fail_type(caller, name, value, "an int", f"Pass an int >= {minimum}.")
     assert isinstance(value, int)
     if value < minimum:
         msg = f"{caller}: {name} ({value}) must be >= {minimum}; pass a larger value."
@@ -263,39 +256,29 @@ def check_duration(caller: str, name: str, value: object) -> timedelta | None:
         assert isinstance(value, (int, float))
         try:
             duration = timedelta(seconds=value)
-        except (OverflowError, ValueError) as error:  # inf, nan, > 10**9 days
-            msg = f"{caller}: {name} must be a finite number of seconds; got {value!r}. Pass None to turn it off."
-            raise ValueError(msg) from error
+        except (OverflowError, ValueError):  # inf, nan, > 10**9 days
+            what, hint = "a finite number of seconds", "Pass None to turn it off."
+            fail_value(caller, name, value, what, hint)
     else:
-        msg = (
-            f"{caller}: {name} must be a datetime.timedelta, a number of seconds or "
-            f"None; got {summary(value)} ({type_name(value)})."
-        )
-        raise TypeError(msg)
+        what = "a datetime.timedelta, a number of seconds or None"
+        fail_type(caller, name, value, what)
     if duration <= timedelta(0):
-        msg = f"{caller}: {name} must be positive; got {summary(value)}. Use e.g. 60 (seconds)."
-        raise ValueError(msg)
+        fail_value(caller, name, value, "positive", "Use e.g. 60 (seconds).")
     return duration
 
 
 def check_norm(caller: str, name: str, value: object) -> None:
     """Check that ``value`` is a real number above 0 (a clipping norm or value)."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        msg = f"{caller}: {name} must be a number; got {summary(value)} ({type_name(value)})."
-        raise TypeError(msg)
+        fail_type(caller, name, value, "a number")
     if math.isnan(float(value)) or value <= 0:
-        msg = f"{caller}: {name} must be > 0; got {value!r}. Use e.g. 1.0."
-        raise ValueError(msg)
+        fail_value(caller, name, value, "> 0", "Use e.g. 1.0.")
 
 
 def check_scaler(caller: str, scaler: object) -> None:
     """Check that ``scaler`` is a ``torch.amp.GradScaler``."""
     if not isinstance(scaler, torch.amp.GradScaler):
-        msg = (
-            f"{caller}: scaler must be a torch.amp.GradScaler or None; got "
-            f"{summary(scaler)} ({type_name(scaler)}). Build one with build_grad_scaler."
-        )
-        raise TypeError(msg)
+        fail_type(caller, "scaler", scaler, *_SCALER)
 
 
 def fail_value(
@@ -310,6 +293,4 @@ def fail_value(
     Traceback (most recent call last):
     ValueError: f: rate must be in (0, 1); got 1.5. Use e.g. 0.5.
     """
-    fix = f" {hint}" if hint else ""
-    msg = f"{caller}: {name} must be {what}; got {summary(value)}.{fix}"
-    raise ValueError(msg)
+    _fail(ValueError, caller, name, summary(value), what, hint)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Final
 
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 
 __all__ = ["plot_metrics", "read_metrics"]
@@ -34,6 +35,13 @@ _NOT_METRICS: Final = frozenset({"step", "time", "config"})
 _COLUMNS: Final = 3
 _FEW: Final = 20
 _INSTALL: Final = "pip install 'funcaccel[plot]'"
+_JSONL_FIX: Final = "Pass a file a JSONLTracker wrote."
+_CSV_HEADER: Final = "a row starting with 'step', 'time'"
+_CSV_FIX: Final = "Pass a file a CSVTracker wrote."
+_SUFFIX: Final = "a .jsonl or .csv file"
+_FILE_FIX: Final = "Pass a file a JSONLTracker or CSVTracker wrote."
+_NUMERIC: Final = "a run with a numeric metric to draw"
+_LOG_FIX: Final = "log numbers with log_metrics first."
 
 
 def _number(value: object) -> float | None:
@@ -66,12 +74,8 @@ def _jsonl_records(path: Path) -> Iterator[dict[str, object]]:
                 )
                 raise ValueError(msg) from error
             if not isinstance(record, dict):
-                msg = (
-                    f"plot_metrics: line {number} of {str(path)!r} is "
-                    f"{summary(record)}, not a JSON object; pass a file a "
-                    "JSONLTracker wrote."
-                )
-                raise ValueError(msg)
+                line = f"line {number} of {str(path)!r}"
+                fail_value("plot_metrics", line, record, "a JSON object", _JSONL_FIX)
             if "config" not in record:
                 yield record
 
@@ -81,11 +85,8 @@ def _csv_records(path: Path) -> Iterator[dict[str, object]]:
         reader = csv.DictReader(handle)
         header = reader.fieldnames or []
         if tuple(header[:2]) != ("step", "time"):
-            msg = (
-                f"plot_metrics: {str(path)!r} has header {summary(header)}, which "
-                "does not start with 'step', 'time'; pass a file a CSVTracker wrote."
-            )
-            raise ValueError(msg)
+            name = f"the header of {str(path)!r}"
+            fail_value("plot_metrics", name, header, _CSV_HEADER, _CSV_FIX)
         for row in reader:
             yield {key: _cell(value) for key, value in row.items() if key is not None}
 
@@ -111,11 +112,7 @@ def read_metrics(path: str | os.PathLike[str]) -> Series:
     elif path.suffix == ".csv":
         records = _csv_records(path)
     else:
-        msg = (
-            f"read_metrics: {str(path)!r} is neither a .jsonl nor a .csv file; pass "
-            "a file a JSONLTracker or CSVTracker wrote."
-        )
-        raise ValueError(msg)
+        fail_value("read_metrics", "path", str(path), _SUFFIX, _FILE_FIX)
     series: Series = {}
     for index, record in enumerate(records):
         step = _number(record.get("step"))
@@ -191,11 +188,8 @@ def plot_metrics(
     per_file = {path: read_metrics(path) for path in files}
     names = list(dict.fromkeys(name for s in per_file.values() for name in s))
     if not names:
-        msg = (
-            f"plot_metrics: {summary([str(p) for p in files])} hold no numeric "
-            "metric to draw; log numbers with log_metrics first."
-        )
-        raise ValueError(msg)
+        hint = f"Its files {summary([p.name for p in files])} hold none; {_LOG_FIX}"
+        fail_value("plot_metrics", "run_dir", str(run), _NUMERIC, hint)
     try:
         from matplotlib.figure import Figure
     except ImportError as error:

@@ -35,17 +35,37 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
+from funcaccel._ctx_checks import check_context
 from funcaccel._typing import SupportsStep
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.grad_state import GradState
 from funcaccel.loader import ShardedLoader
 
 __all__ = ["maybe_step_scheduler", "scheduler_steps_due"]
 
 _CALLER: Final = "maybe_step_scheduler"
+_WITH_LOADER: Final = "None when loader= is given"
+_BOTH: Final = "The loader already says whether it splits batches; pass one of the two."
+_NOT_OPTIMIZER: Final = (
+    "an LR scheduler, not an optimizer",
+    "Its step() would update the parameters; pass the LR scheduler built on it.",
+)
+_MSG_NEITHER: Final = (
+    "{caller}: with {p} processes an update counts 1 scheduler step if the loader "
+    "splits each batch across processes (split_batches=True) and {p} if not, and "
+    "neither loader= nor split_batches= was given; pass loader=<the ShardedLoader "
+    "from shard_loader>, or split_batches=True/False for a loader of your own."
+)
+_MSG_NO_METRICS: Final = (
+    f"{_CALLER}: ReduceLROnPlateau steps on a metric but metrics=None; pass "
+    "metrics=<validation loss or other monitored value>."
+)
+_MSG_UNUSED_METRICS: Final = (
+    _CALLER + ": metrics={} is only used by ReduceLROnPlateau, not {}; drop metrics."
+)
 
 
 def scheduler_steps_due(
@@ -100,11 +120,7 @@ def _split_batches(
     """Return the loader's ``split_batches``, from whichever of the two was given."""
     if split_batches is not None:
         if loader is not None:
-            msg = (
-                f"{caller}: pass loader= or split_batches=, not both; the loader "
-                "already says whether it splits batches."
-            )
-            raise ValueError(msg)
+            fail_value(caller, "split_batches", split_batches, _WITH_LOADER, _BOTH)
         return check_bool(caller, "split_batches", split_batches)
     if loader is not None:
         what = "the ShardedLoader shard_loader returned"
@@ -113,15 +129,7 @@ def _split_batches(
             caller, "loader", loader, ShardedLoader, what=what, hint=hint
         ).split_batches
     if ctx.num_processes > 1 and step_with_optimizer:
-        p = ctx.num_processes
-        msg = (
-            f"{caller}: with {p} processes an update counts 1 scheduler step if the "
-            f"loader splits each batch across processes (split_batches=True) and {p} "
-            "if not, and neither loader= nor split_batches= was given; pass "
-            "loader=<the ShardedLoader from shard_loader>, or split_batches=True/False "
-            "for a loader of your own."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_NEITHER.format(caller=caller, p=ctx.num_processes))
     return False
 
 
@@ -244,25 +252,14 @@ def maybe_step_scheduler(
 
 def _check_scheduler(scheduler: object, plateau: bool, metrics: object) -> None:
     if isinstance(scheduler, Optimizer):
-        msg = (
-            f"{_CALLER}: scheduler is an optimizer ({type_name(scheduler)}), whose "
-            "step() would update the parameters; pass the LR scheduler built on it."
-        )
-        raise TypeError(msg)
+        fail_type(_CALLER, "scheduler", scheduler, *_NOT_OPTIMIZER)
     if not callable(getattr(scheduler, "step", None)):
         fail_type(_CALLER, "scheduler", scheduler, "an object with a step() method")
     if plateau and metrics is None:
-        msg = (
-            f"{_CALLER}: ReduceLROnPlateau steps on a metric but "
-            "metrics=None; pass metrics=<validation loss or other monitored value>."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_NO_METRICS)
     if not plateau and metrics is not None:
-        msg = (
-            f"{_CALLER}: metrics={summary(metrics)} is only used by "
-            f"ReduceLROnPlateau, not {type_name(scheduler)}; drop metrics."
-        )
-        raise ValueError(msg)
+        kind = type_name(scheduler)
+        raise ValueError(_MSG_UNUSED_METRICS.format(summary(metrics), kind))
 
 
 def _check_metrics(metrics: object) -> None:

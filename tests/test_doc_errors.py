@@ -29,13 +29,13 @@ from torch.utils.data import BatchSampler
 from torch.utils.data import DataLoader
 
 import funcaccel as fa
+from funcaccel import _guard
 from funcaccel import accumulate as _accumulate
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.checkpoint import _agree
 from funcaccel.checkpoint import _save_load
 from funcaccel.collectives import _exchange
-from funcaccel.collectives import _guard
 from funcaccel.collectives import _ops
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
@@ -534,21 +534,27 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "'fp16', 'bf16', 'power_sgd', 'batched_power_sgd'; got 'fp32'.": lambda _: (
         DistributedDataParallelKwargs(comm_hook="fp32")
     ),
-    "ValueError: ...: comm_wrapper='fp16' needs comm_hook 'power_sgd' or "
-    "'batched_power_sgd'; got comm_hook='no'.": lambda _: DistributedDataParallelKwargs(
+    "ValueError: ...: comm_hook must be 'power_sgd' or 'batched_power_sgd' when "
+    "comm_wrapper='fp16'; got 'no'. ...": lambda _: DistributedDataParallelKwargs(
         comm_wrapper="fp16"
     ),
-    "ValueError: ...: comm_state_option is only used by the PowerSGD hooks; got "
-    "comm_hook='fp16'.": lambda _: DistributedDataParallelKwargs(
-        comm_hook="fp16", comm_state_option={"matrix_approximation_rank": 2}
+    "ValueError: ...: comm_state_option must be empty with comm_hook='fp16'; got "
+    "{'matrix_approximation_rank': 2}. Only the PowerSGD hooks read it.": lambda _: (
+        DistributedDataParallelKwargs(
+            comm_hook="fp16", comm_state_option={"matrix_approximation_rank": 2}
+        )
     ),
-    "ValueError: ...: unknown comm_state_option key 'rank'; valid keys: "
-    "matrix_approximation_rank, ...": lambda _: DistributedDataParallelKwargs(
-        comm_hook="power_sgd", comm_state_option={"rank": 2}
+    "ValueError: ...: every key of comm_state_option must be one of "
+    "'matrix_approximation_rank', ...; got 'rank'.": lambda _: (
+        DistributedDataParallelKwargs(
+            comm_hook="power_sgd", comm_state_option={"rank": 2}
+        )
     ),
     "ValueError: ...: start_powerSGD_iter must be > 1 when use_error_feedback or "
-    "warm_start is true; got 1.": lambda _: DistributedDataParallelKwargs(
-        comm_hook="power_sgd", comm_state_option={"start_powerSGD_iter": 1}
+    "warm_start is true; got 1. Set both to False, or start later.": lambda _: (
+        DistributedDataParallelKwargs(
+            comm_hook="power_sgd", comm_state_option={"start_powerSGD_iter": 1}
+        )
     ),
     "ValueError: GradScalerKwargs: growth_factor must be > 1.0; got 1.0. Use e.g. "
     "2.0.": lambda _: fa.GradScalerKwargs(growth_factor=1.0),
@@ -562,13 +568,13 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "ValueError: ...: timeout must be positive; ...": lambda _: (
         fa.InitProcessGroupKwargs(timeout=timedelta(0))
     ),
-    "ValueError: ProfileKwargs: unknown activity 'gpu'; valid: 'cpu', 'cuda', "
-    "'xpu', 'hpu', 'mtia'.": lambda _: fa.ProfileKwargs(activities=["gpu"]),
+    "ValueError: ProfileKwargs: every activity must be one of 'cpu', 'cuda', "
+    "'xpu', 'hpu', 'mtia'; got 'gpu'.": lambda _: fa.ProfileKwargs(activities=["gpu"]),
     "ValueError: ProfileKwargs: activity 'xpu' cannot be profiled by this torch "
     "build on this machine; supported here: 'cpu'.": lambda _: _cpu_only("xpu"),
-    "ValueError: ProfileKwargs: schedule_option needs 'wait', 'warmup' and "
-    "'active'; missing 'active'.": lambda _: fa.ProfileKwargs(
-        schedule_option={"wait": 1, "warmup": 1}
+    "ValueError: ProfileKwargs: schedule_option must be a mapping with 'wait', "
+    "'warmup' and 'active'; got {'wait': 1, 'warmup': 1}. Add ['active'].": lambda _: (
+        fa.ProfileKwargs(schedule_option={"wait": 1, "warmup": 1})
     ),
     # loader.md
     "ValueError: shard_loader: batch_size (3) must be a multiple of num_processes "

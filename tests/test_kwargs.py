@@ -20,7 +20,7 @@ from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.kwargs import InitProcessGroupKwargs
 from funcaccel.kwargs import KwargsHandler
 from funcaccel.kwargs import ProfileKwargs
-from funcaccel.kwargs import supported_activities
+from funcaccel.kwargs._profile import supported_activities
 
 EXPECTED_DEFAULTS: dict[type[KwargsHandler], dict[str, object]] = {
     AutocastKwargs: {"enabled": True, "cache_enabled": None},
@@ -233,13 +233,14 @@ def test_power_sgd_hooks_take_any_wrapper(hook: str, wrapper: str) -> None:
         (
             {"comm_wrapper": "fp16"},
             ValueError,
-            r"comm_wrapper='fp16' needs comm_hook 'power_sgd' or 'batched_power_sgd'; "
-            r"got comm_hook='no'\.",
+            r"comm_hook must be 'power_sgd' or 'batched_power_sgd' when "
+            r"comm_wrapper='fp16'; got 'no'\.",
         ),
         (
             {"comm_hook": "fp16", "comm_wrapper": "bf16"},
             ValueError,
-            r"needs comm_hook 'power_sgd' or 'batched_power_sgd'; got comm_hook='fp16'",
+            r"comm_hook must be 'power_sgd' or 'batched_power_sgd' when "
+            r"comm_wrapper='bf16'; got 'fp16'\. Only the PowerSGD hooks take a wrapper",
         ),
         (
             {"comm_hook": "power_sgd", "comm_wrapper": "power_sgd"},
@@ -252,18 +253,20 @@ def test_power_sgd_hooks_take_any_wrapper(hook: str, wrapper: str) -> None:
                 "comm_state_option": {"matrix_approximation_rank": 2},
             },
             ValueError,
-            r"comm_state_option is only used by the PowerSGD hooks; got comm_hook='fp16'\.",
+            r"comm_state_option must be empty with comm_hook='fp16'; got "
+            r"\{'matrix_approximation_rank': 2\}\. Only the PowerSGD hooks read it\.",
         ),
         (
             {"comm_hook": "power_sgd", "comm_state_option": {"rank": 2}},
             ValueError,
-            r"unknown comm_state_option key 'rank'; valid keys: matrix_approximation_rank",
+            r"every key of comm_state_option must be one of "
+            r"'matrix_approximation_rank', .*; got 'rank'\.",
         ),
         (
             {"comm_hook": "power_sgd", "comm_state_option": {"start_powerSGD_iter": 1}},
             ValueError,
             r"start_powerSGD_iter must be > 1 when use_error_feedback or warm_start is "
-            r"true; got 1\.",
+            r"true; got 1\. Set both to False, or start later\.",
         ),
         (
             {
@@ -385,7 +388,11 @@ def test_autocast_kwargs_reject_bad_values(
         ),
         ({"timeout": timedelta(0)}, ValueError, r"timeout must be positive"),
         ({"backend": 5}, TypeError, r"backend must be a str or None; got 5"),
-        ({"backend": ""}, ValueError, r"backend must not be empty"),
+        (
+            {"backend": ""},
+            ValueError,
+            r"backend must be non-empty; got ''\. Pass None for the default\.",
+        ),
     ],
 )
 def test_init_process_group_kwargs_reject_bad_values(
@@ -401,20 +408,20 @@ def test_init_process_group_kwargs_reject_bad_values(
         (
             {"activities": ["gpu"]},
             ValueError,
-            r"ProfileKwargs: unknown activity 'gpu'; valid: 'cpu', 'cuda', 'xpu', 'hpu', "
-            r"'mtia'\.",
+            r"ProfileKwargs: every activity must be one of 'cpu', 'cuda', 'xpu', 'hpu', "
+            r"'mtia'; got 'gpu'\.",
         ),
         ({"activities": "cpu"}, TypeError, r"activities must be a sequence of names"),
         (
             {"schedule_option": {"wait": 1, "warmup": 1}},
             ValueError,
-            r"ProfileKwargs: schedule_option needs 'wait', 'warmup' and 'active'; "
-            r"missing 'active'\.",
+            r"ProfileKwargs: schedule_option must be a mapping with 'wait', 'warmup' "
+            r"and 'active'; got \{'wait': 1, 'warmup': 1\}\. Add \['active'\]\.",
         ),
         (
             {"schedule_option": {"wait": 1, "warmup": 1, "active": 1, "cycles": 2}},
             ValueError,
-            r"unknown schedule_option key 'cycles'",
+            r"every key of schedule_option must be one of 'wait', .*; got 'cycles'",
         ),
         (
             {"schedule_option": {"wait": -1, "warmup": 1, "active": 1}},

@@ -120,7 +120,11 @@ def test_plot_metrics_refuses_files_without_numbers(tmp_path: Path) -> None:
     tracker = JSONLTracker(tmp_path / "metrics.jsonl")
     store_config(MAIN, [tracker], {"lr": 0.1})  # a configuration, no metric
     finish_trackers(MAIN, [tracker])
-    with pytest.raises(ValueError, match="hold no numeric metric to draw"):
+    with pytest.raises(
+        ValueError,
+        match=r"plot_metrics: run_dir must be a run with a numeric metric to draw; "
+        r"got '.*'\. Its files \['.*'\] hold none; log numbers with log_metrics",
+    ):
         plot_metrics(tmp_path)
 
 
@@ -131,7 +135,8 @@ def test_plot_metrics_names_the_line_that_is_not_json(tmp_path: Path) -> None:
         plot_metrics(tmp_path)
     (tmp_path / "metrics.jsonl").write_text(lines[0] + "\n" + lines[2] + "\n")
     with pytest.raises(
-        ValueError, match=r"line 2 of .* is \[1, 2\], not a JSON object"
+        ValueError,
+        match=r"line 2 of .* must be a JSON object; got \[1, 2\]\. Pass a file",
     ):
         plot_metrics(tmp_path)
 
@@ -140,7 +145,8 @@ def test_plot_metrics_refuses_a_csv_file_no_tracker_wrote(tmp_path: Path) -> Non
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     with pytest.raises(
         ValueError,
-        match=r"has header \['a', 'b'\], which does not start with 'step', 'time'",
+        match=r"the header of .* must be a row starting with 'step', 'time'; got "
+        r"\['a', 'b'\]\. Pass a file a CSVTracker wrote\.",
     ):
         plot_metrics(tmp_path)
 
@@ -148,7 +154,7 @@ def test_plot_metrics_refuses_a_csv_file_no_tracker_wrote(tmp_path: Path) -> Non
 def test_read_metrics_refuses_another_suffix(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError,
-        match=r"read_metrics: '.*log\.txt' is neither a \.jsonl nor a \.csv file",
+        match=r"read_metrics: path must be a \.jsonl or \.csv file; got '.*log\.txt'",
     ):
         read_metrics(tmp_path / "log.txt")
 

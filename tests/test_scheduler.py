@@ -270,8 +270,9 @@ def test_maybe_step_scheduler_rejects_bad_input() -> None:
         scheduler_steps_due(None, GradState())  # type: ignore[arg-type]
     with pytest.raises(
         TypeError,
-        match=r"maybe_step_scheduler: scheduler is an optimizer \(SGD\), whose step\(\) "
-        r"would update the parameters; pass the LR scheduler built on it",
+        match=r"(?s)maybe_step_scheduler: scheduler must be an LR scheduler, not an "
+        r"optimizer; got .*\(SGD\)\. Its step\(\) would update the parameters; pass "
+        r"the LR scheduler built on it\.",
     ):
         maybe_step_scheduler(ONE, scheduler.optimizer, GradState())
     assert scheduler._step_count == 1
@@ -318,7 +319,8 @@ def test_maybe_step_scheduler_refuses_to_guess_split_batches(p: int, rank: int) 
     loader = _loader(ctx, split_batches=True)
     with pytest.raises(
         ValueError,
-        match=r"maybe_step_scheduler: pass loader= or split_batches=, not both",
+        match=r"maybe_step_scheduler: split_batches must be None when loader= is "
+        r"given; got True\. The loader already says whether it splits batches",
     ):
         maybe_step_scheduler(
             ctx, scheduler, GradState(), loader=loader, split_batches=True

@@ -12,11 +12,7 @@ from funcaccel.kwargs._handlers import DDPCommunicationHookType
 from funcaccel.kwargs._handlers import DistributedDataParallelKwargs
 from funcaccel.kwargs._handlers import GradScalerKwargs
 from funcaccel.kwargs._handlers import InitProcessGroupKwargs
-from funcaccel.kwargs._profile import PROFILER_ACTIVITIES
-from funcaccel.kwargs._profile import SCHEDULE_KEYS
 from funcaccel.kwargs._profile import ProfileKwargs
-from funcaccel.kwargs._profile import profiler_activity
-from funcaccel.kwargs._profile import supported_activities
 
 __all__ = [
     "AutocastKwargs",
@@ -26,8 +22,4 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProfileKwargs",
-    "PROFILER_ACTIVITIES",
-    "profiler_activity",
-    "SCHEDULE_KEYS",
-    "supported_activities",
 ]

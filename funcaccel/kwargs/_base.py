@@ -7,10 +7,13 @@ the profiler, in ``_profile.py``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 from typing import ClassVar
 
-__all__ = ["KwargsHandler"]
+from funcaccel._checks import check_bool
+
+__all__ = ["KwargsHandler", "check_flags"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,3 +42,9 @@ class KwargsHandler:
             if value != default:
                 out[field.name] = value
         return out
+
+
+def check_flags(owner: str, record: object, names: Iterable[str]) -> None:
+    """Check that each field of ``record`` named in ``names`` is a bool."""
+    for name in names:
+        check_bool(owner, name, getattr(record, name))

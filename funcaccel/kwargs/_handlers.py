@@ -33,6 +33,7 @@ from funcaccel._checks import is_bool
 from funcaccel._checks import is_int
 from funcaccel._checks import is_real
 from funcaccel.kwargs._base import KwargsHandler
+from funcaccel.kwargs._base import check_flags
 
 __all__ = [
     "AutocastKwargs",
@@ -96,7 +97,22 @@ POWER_SGD_STATE_KEYS: Final[Mapping[str, str]] = MappingProxyType(
 )
 
 
+_DDP_FLAGS: Final = (
+    "broadcast_buffers",
+    "find_unused_parameters",
+    "check_reduction",
+    "gradient_as_bucket_view",
+    "static_graph",
+)
 _HOOK_NAMES: Final = tuple(hook.value for hook in DDPCommunicationHookType)
+_STATE_KEYS: Final = tuple(POWER_SGD_STATE_KEYS)
+_POWER_SGD: Final = "'power_sgd' or 'batched_power_sgd'"
+_NO_WRAPPER: Final = (
+    "Only the PowerSGD hooks take a wrapper; else keep comm_wrapper='no'."
+)
+_ONLY_POWER_SGD: Final = "Only the PowerSGD hooks read it."
+_FEEDBACK_START: Final = "> 1 when use_error_feedback or warm_start is true"
+_START_FIX: Final = "Set both to False, or start later."
 
 
 def _as_hook(owner: str, name: str, value: object) -> DDPCommunicationHookType:
@@ -146,23 +162,13 @@ class DistributedDataParallelKwargs(KwargsHandler):
         )
         if not self.bucket_cap_mb > 0:
             fail_value(owner, "bucket_cap_mb", self.bucket_cap_mb, "a number > 0")
-        for name in (
-            "broadcast_buffers",
-            "find_unused_parameters",
-            "check_reduction",
-            "gradient_as_bucket_view",
-            "static_graph",
-        ):
-            check_bool(owner, name, getattr(self, name))
+        check_flags(owner, self, _DDP_FLAGS)
         hook = _as_hook(owner, "comm_hook", self.comm_hook)
         wrapper = _as_hook(owner, "comm_wrapper", self.comm_wrapper)
         check_choice(owner, "comm_wrapper", wrapper.value, _WRAPPERS)
         if wrapper is not DDPCommunicationHookType.NO and hook not in _POWER_SGD_HOOKS:
-            msg = (
-                f"{owner}: comm_wrapper={wrapper.value!r} needs comm_hook 'power_sgd' "
-                f"or 'batched_power_sgd'; got comm_hook={hook.value!r}."
-            )
-            raise ValueError(msg)
+            what = f"{_POWER_SGD} when comm_wrapper={wrapper.value!r}"
+            fail_value(owner, "comm_hook", hook.value, what, _NO_WRAPPER)
         check_type(
             owner,
             "comm_state_option",
@@ -172,11 +178,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
         )
         options = dict(self.comm_state_option)
         if options and hook not in _POWER_SGD_HOOKS:
-            msg = (
-                f"{owner}: comm_state_option is only used by the PowerSGD hooks; "
-                f"got comm_hook={hook.value!r}."
-            )
-            raise ValueError(msg)
+            what = f"empty with comm_hook={hook.value!r}"
+            fail_value(owner, "comm_state_option", options, what, _ONLY_POWER_SGD)
         _check_power_sgd_options(owner, options)
         object.__setattr__(self, "comm_hook", hook)
         object.__setattr__(self, "comm_wrapper", wrapper)
@@ -185,13 +188,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
 def _check_power_sgd_options(owner: str, options: Mapping[str, Any]) -> None:
     for key, value in options.items():
-        kind = POWER_SGD_STATE_KEYS.get(key)
-        if kind is None:
-            valid = ", ".join(POWER_SGD_STATE_KEYS)
-            msg = (
-                f"{owner}: unknown comm_state_option key {key!r}; valid keys: {valid}."
-            )
-            raise ValueError(msg)
+        check_choice(owner, "every key of comm_state_option", key, _STATE_KEYS)
+        kind = POWER_SGD_STATE_KEYS[key]
         ok = {"int": is_int, "real": is_real, "bool": is_bool}[kind](value)
         if not ok or (kind != "bool" and value < 0):
             what = "a bool" if kind == "bool" else "a number >= 0"
@@ -206,11 +204,7 @@ def _check_power_sgd_options(owner: str, options: Mapping[str, Any]) -> None:
         "warm_start", True
     )
     if feedback and start <= 1:
-        msg = (
-            f"{owner}: start_powerSGD_iter must be > 1 when use_error_feedback or "
-            f"warm_start is true; got {start}."
-        )
-        raise ValueError(msg)
+        fail_value(owner, "start_powerSGD_iter", start, _FEEDBACK_START, _START_FIX)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,8 +253,9 @@ class InitProcessGroupKwargs(KwargsHandler):
         for name in ("backend", "init_method"):
             value = check_type(owner, name, getattr(self, name), str, optional=True)
             if value == "":
-                msg = f"{owner}: {name} must not be empty; pass None for the default."
-                raise ValueError(msg)
+                fail_value(
+                    owner, name, value, "non-empty", "Pass None for the default."
+                )
         hint = "Use e.g. timedelta(seconds=600)."
         what = "a datetime.timedelta or None"
         timeout = check_type(

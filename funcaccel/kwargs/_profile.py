@@ -1,9 +1,9 @@
 """``ProfileKwargs``, the options of ``torch.profiler.profile``, with its helpers.
 
-``funcaccel.kwargs`` re-exports every public name here, so
-``funcaccel.kwargs.ProfileKwargs`` keeps working. ``profiler_activity`` maps an
-activity name to the running torch's ``ProfilerActivity``; the schedule options are
-checked against ``SCHEDULE_KEYS`` on construction.
+``funcaccel.kwargs`` re-exports ``ProfileKwargs``; the rest is its plumbing:
+``profiler_activity`` maps an activity name to the running torch's
+``ProfilerActivity``, and the schedule options are checked against ``SCHEDULE_KEYS``
+on construction.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from typing import Final
 import torch
 import torch.profiler
 
-from funcaccel._checks import check_bool
+from funcaccel._checks import check_choice
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
 from funcaccel._checks import is_int
 from funcaccel.kwargs._base import KwargsHandler
+from funcaccel.kwargs._base import check_flags
 
 __all__ = [
     "PROFILER_ACTIVITIES",
@@ -42,6 +43,14 @@ SCHEDULE_KEYS: Final[tuple[str, ...]] = (
     "repeat",
     "skip_first",
     "skip_first_wait",
+)
+_NEEDED: Final = "a mapping with 'wait', 'warmup' and 'active'"
+_FLAGS: Final = (
+    "record_shapes",
+    "profile_memory",
+    "with_stack",
+    "with_flops",
+    "with_modules",
 )
 
 
@@ -62,16 +71,11 @@ def profiler_activity(name: str) -> torch.profiler.ProfilerActivity:
     """
     member = getattr(torch.profiler.ProfilerActivity, name.upper(), None)
     supported = supported_activities()
-    if (
-        not isinstance(member, torch.profiler.ProfilerActivity)
-        or member not in supported
-    ):
+    if member not in supported:  # None, or a member this machine lacks
         have = ", ".join(sorted(repr(a.name.lower()) for a in supported))
-        msg = (
-            f"ProfileKwargs: activity {name!r} cannot be profiled by this torch "
-            f"build on this machine; supported here: {have}."
-        )
+        msg = f"ProfileKwargs: activity {name!r} cannot be profiled by this torch build on this machine; supported here: {have}."
         raise ValueError(msg)
+    assert isinstance(member, torch.profiler.ProfilerActivity)
     return member
 
 
@@ -106,11 +110,8 @@ class ProfileKwargs(KwargsHandler):
             ):
                 what = "a sequence of names such as ['cpu']"
                 fail_type(owner, "activities", self.activities, what)
-            valid = ", ".join(repr(a) for a in PROFILER_ACTIVITIES)
             for activity in self.activities:
-                if activity not in PROFILER_ACTIVITIES:
-                    msg = f"{owner}: unknown activity {activity!r}; valid: {valid}."
-                    raise ValueError(msg)
+                check_choice(owner, "every activity", activity, PROFILER_ACTIVITIES)
             object.__setattr__(self, "activities", tuple(self.activities))
         if self.schedule_option is not None:
             object.__setattr__(
@@ -118,14 +119,7 @@ class ProfileKwargs(KwargsHandler):
             )
         if self.on_trace_ready is not None and not callable(self.on_trace_ready):
             fail_type(owner, "on_trace_ready", self.on_trace_ready, "callable")
-        for name in (
-            "record_shapes",
-            "profile_memory",
-            "with_stack",
-            "with_flops",
-            "with_modules",
-        ):
-            check_bool(owner, name, getattr(self, name))
+        check_flags(owner, self, _FLAGS)
         what = "a path (str or os.PathLike)"
         check_type(
             owner,
@@ -166,20 +160,11 @@ class ProfileKwargs(KwargsHandler):
 
 def _checked_schedule(owner: str, option: Mapping[str, int]) -> dict[str, int]:
     check_type(owner, "schedule_option", option, Mapping, what="a mapping")
-    unknown = [k for k in option if k not in SCHEDULE_KEYS]
-    if unknown:
-        msg = (
-            f"{owner}: unknown schedule_option key {unknown[0]!r}; valid keys: "
-            f"{', '.join(SCHEDULE_KEYS)}."
-        )
-        raise ValueError(msg)
+    for key in option:
+        check_choice(owner, "every key of schedule_option", key, SCHEDULE_KEYS)
     missing = [k for k in ("wait", "warmup", "active") if k not in option]
     if missing:
-        msg = (
-            f"{owner}: schedule_option needs 'wait', 'warmup' and 'active'; "
-            f"missing {', '.join(repr(k) for k in missing)}."
-        )
-        raise ValueError(msg)
+        fail_value(owner, "schedule_option", option, _NEEDED, f"Add {missing}.")
     for key, value in option.items():
         if not is_int(value) or value < 0:
             fail_value(owner, f"schedule_option[{key!r}]", value, "an int >= 0")
