@@ -32,11 +32,11 @@ import torch
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
+from funcaccel._group import end_process_group
+from funcaccel._group import start_process_group
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.collectives import gather_for_metrics
 from funcaccel.context import CollectiveTimeout
-from funcaccel.context import end_process_group
-from funcaccel.context import start_process_group
 from funcaccel.testing import rank_ctx
 
 VARIANTS = ("off", "on", "off again")

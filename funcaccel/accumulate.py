@@ -12,11 +12,11 @@ window included. The pieces it is made of are public for custom loops:
 instead: summed losses, divided by the window's item count over all ranks. ``GradState`` and the pure rules live in
 ``funcaccel.grad_state`` and are re-exported here.
 
->>> grad = GradState(accumulation_steps=2)
->>> should_sync(grad), should_sync(grad, end_of_dataloader=True)
-(False, True)
->>> advance_grad_state(grad).micro_step
-1
+A window of 4 cut short by the end of the data after its first micro-batch: that
+batch's gradient, divided by 4 in backward, is taken whole at the step.
+
+>>> window_grad_factor(GradState(accumulation_steps=4), end_of_dataloader=True)
+4.0
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from funcaccel._checks import check_scaler
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
+from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._no_sync import no_sync_models
-from funcaccel.collectives import all_reduce_ints
+from funcaccel._primitives import all_reduce_ints
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
 from funcaccel.grad_state import advance_grad_state

@@ -27,9 +27,9 @@ from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
 from funcaccel._checks import type_name
-from funcaccel.collectives import exchange_codes
+from funcaccel._ctx_checks import check_context
+from funcaccel._primitives import exchange_codes
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
 __all__ = [

@@ -28,8 +28,8 @@ from torch.utils.data import IterableDataset
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import type_name
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.loader import ShardedLoader
 from funcaccel.loader import shard_loader

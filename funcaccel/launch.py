@@ -45,8 +45,8 @@ from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
-from funcaccel.context import end_process_group
-from funcaccel.context import start_process_group
+from funcaccel._group import end_process_group
+from funcaccel._group import start_process_group
 
 __all__ = ["LaunchError", "StartMethod", "launch", "pick_start_method"]
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
 if TYPE_CHECKING:

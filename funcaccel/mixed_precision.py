@@ -32,11 +32,11 @@ from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
 from funcaccel._checks import check_type
 from funcaccel._checks import summary
+from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_zero_parameter
 from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import GradScalerKwargs
 

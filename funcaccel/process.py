@@ -29,10 +29,10 @@ from typing import TypeAlias
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
-from funcaccel.collectives import exchange_codes
+from funcaccel._ctx_checks import check_context
+from funcaccel._primitives import exchange_codes
 from funcaccel.collectives import wait_for_everyone
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
 __all__ = [

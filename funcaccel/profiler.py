@@ -54,8 +54,8 @@ import torch.profiler
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import summary
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.kwargs import ProfileKwargs
 
 __all__ = ["build_profiler", "profiler_trace_path"]

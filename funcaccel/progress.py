@@ -23,8 +23,8 @@ from typing import TypeVar
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 
 __all__ = ["progress"]
 

@@ -27,8 +27,8 @@ import torch
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 
 __all__ = [
     "set_seed",

@@ -31,9 +31,9 @@ from typing import TypeVar
 
 from torch.multiprocessing.spawn import start_processes
 
+from funcaccel._group import end_process_group
+from funcaccel._group import start_process_group
 from funcaccel.context import DistributedContext
-from funcaccel.context import end_process_group
-from funcaccel.context import start_process_group
 from funcaccel.testing import rank_ctx
 
 P = ParamSpec("P")

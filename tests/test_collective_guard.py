@@ -24,17 +24,17 @@ import torch
 from torch import nn
 from torch._C._distributed_c10d import HashStore
 
+from funcaccel._group import end_process_group
+from funcaccel._group import start_process_group
+from funcaccel._guard import guard_collective
+from funcaccel._guard import settle_arrival
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.collectives import any_process
 from funcaccel.collectives import gather
-from funcaccel.collectives import guard_collective
 from funcaccel.collectives import reduce
 from funcaccel.collectives import wait_for_everyone
-from funcaccel.collectives._guard import settle_arrival
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from funcaccel.context import end_process_group
-from funcaccel.context import start_process_group
 from funcaccel.testing import rank_ctx
 from tests._dist import run_processes
 from tests._dist import run_ranks

@@ -33,14 +33,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
-import funcaccel.collectives
+from funcaccel import _primitives
+from funcaccel._guard import guard_collective
+from funcaccel._primitives import all_reduce_ints
+from funcaccel._primitives import exchange_codes
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
-from funcaccel.collectives import _primitives
-from funcaccel.collectives import all_reduce_ints
 from funcaccel.collectives import any_process
-from funcaccel.collectives import exchange_codes
-from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 from funcaccel.model import deepspeed_step
 from tests._dist import run_ranks
@@ -136,7 +135,7 @@ def _stand_in_comm_device() -> Iterator[Sent]:
 def _control(ctx: DistributedContext) -> Sent:
     """One all-reduce of a tensor on the communication device, one of a CPU one."""
     with _stand_in_comm_device() as sent:
-        on_comm = torch.ones(1, device=funcaccel.collectives.comm_device(ctx))
+        on_comm = torch.ones(1, device=_primitives.comm_device(ctx))
         dist.all_reduce(on_comm)
         dist.all_reduce(torch.ones(1))
     return sent

@@ -47,13 +47,13 @@ from torch.nn.functional import mse_loss
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from funcaccel._primitives import comm_device
 from funcaccel._typing import MixedPrecision
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.batch_size import find_executable_batch_size
 from funcaccel.checkpoint import load_checkpoint
 from funcaccel.checkpoint import save_checkpoint
-from funcaccel.collectives import comm_device
 from funcaccel.collectives import gather
 from funcaccel.collectives import gather_for_metrics
 from funcaccel.collectives import reduce

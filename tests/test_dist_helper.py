@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from funcaccel._group import end_process_group
+from funcaccel._group import start_process_group
 from funcaccel.context import DistributedContext
-from funcaccel.context import end_process_group
-from funcaccel.context import start_process_group
 from tests._dist import run_processes
 from tests._dist import run_ranks
 

@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from funcaccel._checks import type_name
+from funcaccel._guard import guard_collective
 from funcaccel.checkpoint._manifest import FileEntry
-from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 
 __all__ = [

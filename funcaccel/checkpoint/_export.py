@@ -28,6 +28,7 @@ from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
+from funcaccel._guard import guard_collective
 from funcaccel.checkpoint import _export_files
 from funcaccel.checkpoint._agree import _all_gather
 from funcaccel.checkpoint._agree import _raise_failures
@@ -41,7 +42,6 @@ from funcaccel.checkpoint._export_plan import plan_export
 from funcaccel.checkpoint._export_plan import plan_shards
 from funcaccel.checkpoint._export_plan import shard_names
 from funcaccel.checkpoint._export_plan import tied_names
-from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.model import unwrap_model

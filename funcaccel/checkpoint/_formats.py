@@ -46,6 +46,7 @@ from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
+from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
@@ -59,7 +60,6 @@ from funcaccel.checkpoint._deepspeed_state import load_engine
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.model import unwrap_model
 from funcaccel.rng import capture_rng_state

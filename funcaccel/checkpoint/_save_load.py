@@ -66,6 +66,7 @@ from torch import nn
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
+from funcaccel._guard import guard_collective
 from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint import _layout
 from funcaccel.checkpoint._agree import _all_gather
@@ -89,7 +90,6 @@ from funcaccel.checkpoint._manifest import CheckpointMeta
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._manifest import check_json_value
 from funcaccel.checkpoint._manifest import read_manifest
-from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState

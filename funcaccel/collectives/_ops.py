@@ -33,6 +33,7 @@ import torch.distributed as dist
 from funcaccel._checks import check_choice
 from funcaccel._checks import check_type
 from funcaccel._checks import type_name
+from funcaccel._guard import guard_collective
 from funcaccel._tree import rebuild
 from funcaccel.collectives._exchange import all_gather_objects
 from funcaccel.collectives._exchange import check_agree
@@ -40,7 +41,6 @@ from funcaccel.collectives._exchange import exchange
 from funcaccel.collectives._exchange import join_objects
 from funcaccel.collectives._exchange import local_spec
 from funcaccel.collectives._exchange import per_leaf
-from funcaccel.collectives._guard import guard_collective
 from funcaccel.collectives._leaves import is_tensor_tree
 from funcaccel.collectives._leaves import tensor_leaves
 from funcaccel.collectives._pad import check_pad_args

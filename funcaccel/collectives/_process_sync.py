@@ -33,10 +33,10 @@ from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import summary
-from funcaccel.collectives._guard import guard_collective
-from funcaccel.collectives._primitives import all_reduce_ints
+from funcaccel._ctx_checks import check_context
+from funcaccel._guard import guard_collective
+from funcaccel._primitives import exchange_codes
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
 __all__ = [
@@ -86,20 +86,6 @@ def wait_for_everyone(ctx: DistributedContext) -> None:
         return
     guard_collective(ctx, "wait_for_everyone")
     dist.barrier(device_ids=_device_ids(ctx))
-
-
-def exchange_codes(ctx: DistributedContext, code: int, *, caller: str) -> list[int]:
-    """Return every rank's ``code`` (a small int >= 0), indexed by rank.
-
-    One ``all_reduce_ints`` of a ``num_processes``-long vector in which each rank
-    fills only its own slot (``any_process``, ``main_process_first`` and
-    ``find_executable_batch_size`` are built on it), guarded by
-    ``ctx.collective_timeout`` under ``caller``'s name. The caller has checked
-    the process group.
-    """
-    slots = [0] * ctx.num_processes
-    slots[ctx.process_index] = code
-    return all_reduce_ints(ctx, slots, caller=caller)
 
 
 def _agreed_flags(ctx: DistributedContext, caller: str, flag: object) -> list[int]:

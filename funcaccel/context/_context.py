@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
+from funcaccel._group import end_process_group
+from funcaccel._group import start_process_group
 from funcaccel._typing import MixedPrecision
 from funcaccel.context._env import CollectiveTimeout
 from funcaccel.context._env import check_collective_timeout
@@ -33,8 +35,6 @@ from funcaccel.context._env import check_mixed_precision
 from funcaccel.context._env import check_mode
 from funcaccel.context._env import env_int
 from funcaccel.context._env import rendezvous_init_method
-from funcaccel.context._group import end_process_group
-from funcaccel.context._group import start_process_group
 from funcaccel.kwargs import InitProcessGroupKwargs
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "context_from_env",
     "effective_backend",
     "effective_timeout",
-    "check_context",
     "require_process_group",
 ]
 
@@ -382,9 +381,3 @@ def close_context(ctx: DistributedContext) -> None:
     """
     if ctx.num_processes > 1:
         end_process_group()
-
-
-def check_context(caller: str, ctx: object) -> DistributedContext:
-    """Return ``ctx``, or raise ``TypeError`` naming ``caller`` if it is not a context."""
-    hint = "Build one with build_context()."
-    return check_type(caller, "ctx", ctx, DistributedContext, hint=hint)

@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
+from funcaccel._primitives import comm_device
 from funcaccel._tree import TreeSpec
 from funcaccel._tree import flatten
 from funcaccel._tree import spec_paths
 from funcaccel._tree import unflatten
 from funcaccel.collectives import broadcast_
-from funcaccel.collectives import comm_device
 from funcaccel.context import DistributedContext
 
 __all__ = ["dispatch_epoch"]

@@ -28,6 +28,7 @@ from torch.utils.data import SequentialSampler
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._rng_types import check_rng_types
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 from funcaccel.loader._indices import BaseIndices
@@ -36,7 +37,6 @@ from funcaccel.loader._reading import IndexSlot
 from funcaccel.loader._reading import TaggedCollate
 from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import check_mesh
-from funcaccel.rng import check_rng_types
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from funcaccel._checks import summary
+from funcaccel._primitives import all_reduce_ints
 from funcaccel._typing import Stateful
-from funcaccel.collectives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState

@@ -37,11 +37,11 @@ from torch.nn.parallel import DistributedDataParallel
 from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
+from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._typing import Stateful
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
 from funcaccel.kwargs import DDPCommunicationHookType

@@ -6,16 +6,12 @@ uses); ``_capture.py`` captures and restores this process's generators.
 
 from __future__ import annotations
 
-from funcaccel.rng._capture import RNG_KINDS
 from funcaccel.rng._capture import capture_rng_state
 from funcaccel.rng._capture import restore_rng_state
-from funcaccel.rng._sync import check_rng_types
 from funcaccel.rng._sync import sync_rng_states
 
 __all__ = [
-    "check_rng_types",
     "capture_rng_state",
     "restore_rng_state",
-    "RNG_KINDS",
     "sync_rng_states",
 ]

@@ -11,57 +11,21 @@ from collections.abc import Sequence
 import torch
 
 from funcaccel._checks import check_type
-from funcaccel._checks import fail_type
-from funcaccel._checks import summary
-from funcaccel._typing import RNG_TYPES
+from funcaccel._ctx_checks import check_context
+from funcaccel._guard import guard_collective
+from funcaccel._primitives import comm_device
+from funcaccel._rng_types import check_rng_types
 from funcaccel._typing import RngType
 from funcaccel.collectives import broadcast_
-from funcaccel.collectives import comm_device
-from funcaccel.collectives import guard_collective
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.context import require_process_group
 
-__all__ = ["check_rng_types", "sync_rng_states"]
+__all__ = ["sync_rng_states"]
 
 
 def _broadcast_state(ctx: DistributedContext, state: torch.Tensor) -> torch.Tensor:
     buffer = state.to(comm_device(ctx), copy=True).contiguous()
     return broadcast_(ctx, buffer).cpu()
-
-
-def check_rng_types(
-    caller: str, rng_types: object, ctx: DistributedContext
-) -> tuple[RngType, ...]:
-    """Return ``rng_types`` as a tuple of names after checking each one.
-
-    Raises:
-        TypeError: ``rng_types`` is not a sequence of names (a string is not).
-        ValueError: a name other than ``"torch"``, ``"cuda"`` or ``"generator"``,
-            or ``"cuda"`` on a context whose device is not a GPU.
-
-    >>> check_rng_types("f", ["torch"], DistributedContext())
-    ('torch',)
-    """
-    if isinstance(rng_types, (str, bytes)) or not isinstance(rng_types, Sequence):
-        what = "a list of names such as ['torch']"
-        fail_type(caller, "rng_types", rng_types, what)
-    names: list[RngType] = []
-    for name in rng_types:
-        if name not in RNG_TYPES:
-            msg = (
-                f"{caller}: rng_types may hold only 'torch', 'cuda' and 'generator'; "
-                f"got {summary(name)} in {summary(list(rng_types))}. Remove it."
-            )
-            raise ValueError(msg)
-        if name == "cuda" and ctx.device.type != "cuda":
-            msg = (
-                f"{caller}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
-                "remove 'cuda' on a CPU run."
-            )
-            raise ValueError(msg)
-        names.append(name)
-    return tuple(names)
 
 
 def sync_rng_states(

@@ -15,8 +15,8 @@ from typing import NamedTuple
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import summary
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import check_name
 from funcaccel.tracking._base import tracker_path

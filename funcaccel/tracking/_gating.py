@@ -34,8 +34,8 @@ from funcaccel._checks import check_bool
 from funcaccel._checks import fail_type
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
+from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
-from funcaccel.context import check_context
 from funcaccel.tracking._values import ConfigValue
 from funcaccel.tracking._values import MetricValue
 from funcaccel.tracking._values import check_mapping

@@ -2,7 +2,9 @@
 
 The loader's dispatch mode and the RNG sync send raw tensors from rank 0
 (``broadcast_``); window item counts and per-rank codes are summed over ranks
-(``all_reduce_ints``). With one process nothing is sent.
+(``all_reduce_ints``, ``exchange_codes``). With one process nothing is sent.
+Private to funcaccel: ``funcaccel.collectives`` and the packages that communicate
+import it; users get ``broadcast_`` from ``funcaccel.collectives``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-from funcaccel.collectives._guard import guard_collective
+from funcaccel._guard import guard_collective
 from funcaccel.context import DistributedContext
 
-__all__ = ["all_reduce_ints", "broadcast_", "comm_device"]
+__all__ = ["all_reduce_ints", "broadcast_", "comm_device", "exchange_codes"]
 
 _CPU: Final = torch.device("cpu")
 
@@ -79,3 +81,20 @@ def all_reduce_ints(
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     sums: list[int] = tensor.tolist()
     return sums
+
+
+def exchange_codes(ctx: DistributedContext, code: int, *, caller: str) -> list[int]:
+    """Return every rank's ``code`` (a small int >= 0), indexed by rank.
+
+    One ``all_reduce_ints`` of a ``num_processes``-long vector in which each rank
+    fills only its own slot (``any_process``, ``main_process_first`` and
+    ``find_executable_batch_size`` are built on it), guarded by
+    ``ctx.collective_timeout`` under ``caller``'s name. The caller has checked
+    the process group.
+
+    >>> exchange_codes(DistributedContext(), 2, caller="example")
+    [2]
+    """
+    slots = [0] * ctx.num_processes
+    slots[ctx.process_index] = code
+    return all_reduce_ints(ctx, slots, caller=caller)
