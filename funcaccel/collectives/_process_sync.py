@@ -141,20 +141,9 @@ def any_process(ctx: DistributedContext, flag: bool) -> bool:
 def all_processes(ctx: DistributedContext, flag: bool) -> bool:
     """Return, on every rank, whether ``flag`` is true on every rank.
 
-    Every rank must call it. One all-reduce; nothing with one process (returns
-    ``flag``).
-
-    Args:
-        ctx: the run's context.
-        flag: this rank's answer; exactly a ``bool``.
-
-    Returns:
-        True on every rank when all ranks passed True.
-
-    Raises:
-        TypeError: ``flag`` is not a bool, on every rank, or ``ctx`` of the wrong
-            type.
-        RuntimeError: ``ctx.num_processes > 1`` and no matching process group.
+    The counterpart of ``any_process``, with the same contract: every rank calls
+    it with exactly a ``bool``, one all-reduce (nothing with one process: it
+    returns ``flag``), and the same errors on every rank.
 
     Example, with 2 ranks: rank 0 True, rank 1 False gives False on both; True
     and True gives True on both.

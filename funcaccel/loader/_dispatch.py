@@ -44,12 +44,11 @@ _FIX: Final = "use a collate_fn that pads to a fixed length, split_batches=True 
 
 
 class _Rejected(Exception):
-    """A global batch that cannot be dispatched; raised on every rank as ``kind``."""
+    """A global batch that cannot be dispatched: wraps the error every rank raises.
 
-    def __init__(self, kind: type[TypeError] | type[ValueError], message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+    ``args[0]`` is that ``TypeError`` or ``ValueError``; wrapping it keeps it apart
+    from an error the user's code raised while reading the batch.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +69,14 @@ def _flat_tensors(batch: Any, index: int) -> _Flat:
                 f"({summary(leaf, 40)}); use a collate_fn that returns only tensors, or "
                 "dispatch_batches=False"
             )
-            raise _Rejected(TypeError, msg)
+            raise _Rejected(TypeError(msg))
         if leaf.dim() == 0:
             msg = (
                 f"shard_loader: dispatch_batches=True cannot split leaf {path} of "
                 f"global batch {index}: it is a 0-d tensor with no rows; return "
                 "tensors with a batch dimension from collate_fn, or dispatch_batches=False"
             )
-            raise _Rejected(ValueError, msg)
+            raise _Rejected(ValueError(msg))
     return _Flat(spec, paths, tuple(leaves))
 
 
@@ -92,7 +91,7 @@ def _concat(parts: list[_Flat], what: str) -> _Flat:
                 f"is {part.spec.describe()}; use a collate_fn that returns the same "
                 "structure for every batch, or dispatch_batches=False"
             )
-            raise _Rejected(ValueError, msg)
+            raise _Rejected(ValueError(msg))
         for path, a, b in zip(first.paths, first.tensors, part.tensors, strict=True):
             if a.dtype != b.dtype:
                 msg = (
@@ -100,13 +99,13 @@ def _concat(parts: list[_Flat], what: str) -> _Flat:
                     f"has dtypes {a.dtype} and {b.dtype}; use a collate_fn that returns "
                     "the same dtype for every batch, or dispatch_batches=False"
                 )
-                raise _Rejected(ValueError, msg)
+                raise _Rejected(ValueError(msg))
             if a.shape[1:] != b.shape[1:]:
                 msg = (
                     f"shard_loader: dispatch_batches=True cannot {what}: leaf {path} "
                     f"has shapes {tuple(a.shape)} and {tuple(b.shape)}; {_FIX}"
                 )
-                raise _Rejected(ValueError, msg)
+                raise _Rejected(ValueError(msg))
     if len(parts) == 1:
         return first
     columns = zip(*(part.tensors for part in parts), strict=True)
@@ -179,11 +178,12 @@ def _fail(ctx: DistributedContext, failure: _Failure) -> Exception:
     """Rank 0: tell the others about ``failure``; return what rank 0 raises."""
     error = failure.error
     if isinstance(error, _Rejected):
+        rejected: TypeError | ValueError = error.args[0]
         kind: Literal["TypeError", "ValueError"] = (
-            "TypeError" if error.kind is TypeError else "ValueError"
+            "TypeError" if isinstance(rejected, TypeError) else "ValueError"
         )
-        _share_header(ctx, _Header(kind="error", error=kind, message=error.message))
-        return error.kind(error.message)
+        _share_header(ctx, _Header(kind="error", error=kind, message=str(rejected)))
+        return rejected
     message = (
         f"shard_loader: rank 0 failed while reading global batch {failure.index} for "
         f"dispatch_batches=True: {type_name(error)}: {error}; see rank 0's "
