@@ -406,42 +406,29 @@ def gather_for_metrics(
 ) -> object:
     """Gather ``data`` from every rank, then drop the epoch's looped-back duplicates.
 
-    Objects are gathered as by ``gather_object`` (``data`` must then be a list or
-    tuple) when ``use_gather_object`` is true or any leaf is not a tensor, on any
-    rank; otherwise tensors as by ``gather``. When ``batch.is_last`` and
-    ``batch.remainder > 0`` only the first ``remainder`` items (of the flat list) or
-    rows (of every leaf) are kept. With 2 ranks, ``n=10``, ``bs=3``, the last batch
-    is ``[6, 7, 8]`` on rank 0 and ``[9, 0, 1]`` on rank 1 with ``remainder=4``:
-    both get ``[6, 7, 8, 9]``. With one process ``data`` is returned as it is.
+    Tensors are gathered as by ``gather``; objects as by ``gather_object`` (then
+    ``data`` must be a list or tuple) when ``use_gather_object`` or any leaf on
+    any rank is not a tensor. When ``batch.is_last`` and ``batch.remainder > 0``
+    only the first ``remainder`` rows (or items) are kept, so an evaluation loop
+    sees every sample of the epoch exactly once.
 
-    ``batch`` has no silent default: with several processes, leaving it out is a
-    ``TypeError`` (on every rank, before anything is sent), because only the
-    record knows how many samples of the last batch were looped back. Pass
-    ``batch=None`` to say that ``data`` holds no duplicates (nothing is trimmed).
-    With one process nothing is ever looped back, so it may be left out.
+    With 2 ranks, ``n=10``, ``bs=3``, the last batch is ``[6, 7, 8]`` on rank 0 and
+    ``[9, 0, 1]`` on rank 1 with ``remainder=4``: both get ``[6, 7, 8, 9]``. With
+    one process ``data`` comes back as it is:
 
-    Args:
-        ctx: This process's context.
-        data: A tensor, a nested list / tuple / dict of tensors, or (object path)
-            a list or tuple of picklable items.
-        batch: The ``Batch`` record ``iter_batches`` yielded for ``data`` (any
-            object with ``is_last: bool`` and ``remainder: int``), or ``None``
-            when ``data`` holds no looped-back samples.
-        use_gather_object: Gather ``data`` as objects even if it holds only tensors.
-        mesh: The ``ParallelMesh`` the loader was sharded on: the ranks of a
-            tensor-parallel group read the same batches, so one copy per group is
-            kept (its ``tp`` rank 0's), in data-parallel rank order. Every rank
-            still takes part in one all-gather over the world. With
-            ``mesh.dp_size == 1`` this rank's ``data`` is returned as it is.
+    >>> gather_for_metrics(DistributedContext(), torch.tensor([6, 7, 8]))
+    tensor([6, 7, 8])
 
-    Returns:
-        Every (data-parallel) rank's ``data``, concatenated in rank order, without
-        the duplicates.
+    ``batch`` (the ``Batch`` record ``iter_batches`` yielded for ``data``) has no
+    silent default: with several processes leaving it out is a ``TypeError`` on
+    every rank, before anything is sent; ``batch=None`` says ``data`` holds no
+    duplicates. With a ``mesh`` one copy per tensor-parallel group is kept. The
+    full semantics: docs/collectives.md#semantics-collectives-rank-by-rank (and
+    docs/mesh.md for ``mesh``).
 
     Raises:
-        TypeError: ``batch`` not passed with several processes; ``batch`` lacks
-            ``is_last``/``remainder``; or the object path gets data that is not a
-            list or tuple.
+        TypeError: ``batch`` missing with several processes or not a record;
+            the object path given data that is not a list or tuple.
         ValueError: ``batch.remainder < -1``, or as ``gather``.
         RuntimeError: no process group matches ``ctx``, or (with
             ``ctx.collective_timeout``) not every rank reached this call.

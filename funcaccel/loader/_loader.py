@@ -185,22 +185,18 @@ def shard_loader(
     slice_fn: Callable[[Any, slice], Any] | None = None,
     mesh: ParallelMesh | None = None,
 ) -> ShardedLoader:
-    """Return this rank's share of ``dataloader``.
+    """Return this rank's share of ``dataloader``, a drop-in ``DataLoader``.
 
-    The rules: docs/loader.md#semantics-building-a-sharded-loader, docs/loader.md#semantics-dispatch-mode.
-
-    ``dataloader``, its sampler and ``rng_types`` are left unchanged. A shuffling
-    ``RandomSampler`` (in torch's ``BatchSampler``) is replaced by one that draws
-    epoch ``e``'s order from ``seed + e``, the same on every rank and world size.
-    With one process the original batches are yielded as they are. Otherwise
-    map-style data is sharded by batches (``shard_batch_sampler``), iterable data
-    by samples (``shard_iterable_dataset``), or, when dispatching, rank 0 reads
-    every global batch and sends each rank its rows.
+    Map-style data is sharded by batches (``shard_batch_sampler``), iterable data
+    by samples (``shard_iterable_dataset``); with ``dispatch_batches`` rank 0
+    reads every global batch and sends each rank its rows. A shuffled epoch
+    ``e`` is drawn from ``seed + e``, the same on every rank and world size, so
+    a run resumes on another world size. ``dataloader``, its sampler and
+    ``rng_types`` are left unchanged; one process yields the original batches.
 
     With 2 ranks, 10 samples and ``batch_size=3``: rank 0 yields [0,1,2] [6,7,8],
-    rank 1 yields [3,4,5] [9,0,1]; with ``dispatch_batches=True``: rank 0 yields
-    [0,1,2] [6,7] and rank 1 [3,4,5] [8,9]. Sharding needs no process group, so a
-    hand-built context shows any rank's share:
+    rank 1 yields [3,4,5] [9,0,1] (looped back). Sharding needs no process
+    group, so a hand-built context shows any rank's share:
 
     >>> import torch
     >>> from funcaccel.context import DistributedType
@@ -214,41 +210,14 @@ def shard_loader(
     >>> len(loader), loader.total_batch_size
     (2, 6)
 
-    Args:
-        ctx: This process's context.
-        dataloader: The loader to shard; ``num_workers``, ``collate_fn``,
-            ``pin_memory``, ``timeout``, ``worker_init_fn``,
-            ``multiprocessing_context``, ``prefetch_factor``,
-            ``persistent_workers``, ``pin_memory_device`` and ``in_order`` are kept.
-        split_batches: Split each original batch across ranks (``G = bs``) instead
-            of giving each rank whole batches (``G = bs * p``).
-        put_on_device: Move each batch to ``ctx.device``.
-        rng_types: Generators to synchronise from rank 0 at every epoch start:
-            ``"torch"``, ``"cuda"``, ``"generator"`` (the loader's, if any).
-        dispatch_batches: Rank 0 reads and sends; ``None`` means: for iterable
-            datasets when ``put_on_device``.
-        even_batches: Loop back to the epoch's start so every rank gets the same
-            number of full batches.
-        seed: Base seed of the shuffled order (0 <= seed < 2**63).
-        non_blocking: Passed to ``Tensor.to`` when moving batches.
-        slice_fn: ``slice_fn(global_batch, rows)`` cuts a rank's part when
-            dispatching (default: those rows of every tensor).
-        mesh: A ``ParallelMesh`` (``build_mesh``): shard over its data-parallel
-            ranks only, so that the ``tp`` ranks of one tensor-parallel group
-            read the same batches; every mode and ``total_batch_size`` count
-            ``mesh.dp_size`` ranks. ``None``: every rank is a data-parallel rank.
-
-    Returns:
-        A ``ShardedLoader``: iterable, with ``len()``, ``total_batch_size``,
-        ``epoch`` and ``set_epoch``.
+    Every option (``split_batches``, ``put_on_device``, ``rng_types``,
+    ``dispatch_batches``, ``even_batches``, ``seed``, ``non_blocking``,
+    ``slice_fn``, ``mesh``), the settings kept and the errors:
+    docs/loader.md#api and docs/loader.md#semantics-building-a-sharded-loader.
 
     Raises:
-        TypeError: An argument of the wrong type.
-        ValueError: ``split_batches`` with an unknown batch size or one that is not
-            a multiple of ``ctx.num_processes``; ``dispatch_batches=True`` with
-            ``put_on_device=False``; an unknown name in ``rng_types`` (or
-            ``"cuda"`` on a CPU context); a loader that does not batch
-            (``batch_size=None``) with several processes and no dispatch.
+        TypeError: an argument of the wrong type.
+        ValueError: a value or combination docs/loader.md#errors lists.
     """
     setup = build_setup(
         ctx,

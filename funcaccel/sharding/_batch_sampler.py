@@ -211,13 +211,12 @@ def shard_batch_sampler(
 ) -> ShardedBatchSampler:
     """Return the batches of rank ``process_index`` out of ``batch_sampler``.
 
-    The rules: docs/sharding.md#semantics-sharding-a-batch-sampler.
-
     Without ``split_batches`` rank ``i`` takes every ``p``-th base batch; with it,
     slice ``i`` of every base batch. With ``even_batches`` (and no ``drop_last`` on
     the base) the last round is completed with the epoch's first indices, so every
     rank gets the same number of full batches; these are the only duplicates.
-    ``batch_sampler`` is left unchanged and is iterated once per epoch.
+    ``batch_sampler`` is left unchanged and is iterated once per epoch. The rules:
+    docs/sharding.md#semantics-sharding-a-batch-sampler.
 
     With 2 ranks and 10 samples in batches of 3, rank 0 yields [0, 1, 2] [6, 7, 8]
     and rank 1 yields [3, 4, 5] [9, 0, 1] (the last two loop back to the start):
@@ -230,25 +229,15 @@ def shard_batch_sampler(
     >>> list(uneven), len(uneven), uneven.total_batch_size
     ([[3, 4, 5], [9]], 2, 6)
 
-    Args:
-        batch_sampler: A re-iterable source of index lists; its ``batch_size``
-            (``None``, or absent, for a dynamic sampler) and ``drop_last`` (absent:
-            False) are read once.
-        num_processes: Number of ranks ``p`` (``>= 1``).
-        process_index: This rank, in ``[0, num_processes)``.
-        split_batches: Cut each base batch into ``p`` slices of ``bs / p``.
-        even_batches: Loop back to the epoch's start to even out the last round.
-
-    Returns:
-        A frozen torch ``Sampler`` of index lists; its ``len()`` is the number of
-        batches this rank yields and ``total_batch_size`` is ``G``.
+    Arguments, attributes (``len()``, ``total_batch_size``, ``iter_from``) and
+    errors: docs/sharding.md#api and docs/sharding.md#errors.
 
     Raises:
-        ValueError: If ``num_processes < 1``, ``process_index`` is out of range, or
-            ``split_batches`` is set and ``batch_size`` is ``None`` or not a multiple
-            of ``num_processes``.
-        TypeError: If an argument, or the base's ``batch_size``/``drop_last``, has
-            the wrong type.
+        TypeError: an argument, or the base's ``batch_size``/``drop_last``, of the
+            wrong type.
+        ValueError: ``num_processes < 1``, ``process_index`` out of range, or
+            ``split_batches`` with a ``batch_size`` that ``num_processes`` does not
+            divide.
     """
     return ShardedBatchSampler(
         batch_sampler=batch_sampler,
