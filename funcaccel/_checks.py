@@ -34,6 +34,7 @@ __all__ = [
     "fail_type",
     "fail_value",
     "check_duration",
+    "check_index",
     "check_int",
     "check_norm",
     "check_scaler",
@@ -238,6 +239,25 @@ def check_int(caller: str, name: str, value: object, minimum: int) -> int:
     assert isinstance(value, int)
     if value < minimum:
         msg = f"{caller}: {name} ({value}) must be >= {minimum}; pass a larger value."
+        raise ValueError(msg)
+    return value
+
+
+def check_index(
+    caller: str, name: str, value: int, size_name: str, size: int, hint: str = ""
+) -> int:
+    """Return ``value`` if ``0 <= value < size``: a rank or position in a range.
+
+    The message: ``"{caller}: {name} ({value}) must be in [0, {size_name}={size})"``,
+    then ``"; {hint}"`` when a hint is given, else ``"."``.
+
+    >>> check_index("f", "rank", 2, "world_size", 2, "pass a rank below 2.")
+    Traceback (most recent call last):
+    ValueError: f: rank (2) must be in [0, world_size=2); pass a rank below 2.
+    """
+    if not 0 <= value < size:
+        fix = f"; {hint}" if hint else "."
+        msg = f"{caller}: {name} ({value}) must be in [0, {size_name}={size}){fix}"
         raise ValueError(msg)
     return value
 

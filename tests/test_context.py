@@ -193,18 +193,18 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
         (
             {"num_processes": 2},
             ValueError,
-            r"distributed_type is NO but num_processes=2; pass "
-            r"distributed_type=DistributedType\.MULTI_CPU",
+            r"distributed_type must be MULTI_CPU with num_processes=2 on device cpu; "
+            r"got 'NO'\. Pass distributed_type=DistributedType\.MULTI_CPU\.",
         ),
         (
             {"distributed_type": DistributedType.MULTI_CPU},
             ValueError,
-            r"distributed_type is MULTI_CPU but num_processes=1",
+            r"distributed_type must be NO with num_processes=1; got 'MULTI_CPU'",
         ),
         (
             {"num_processes": 2, "distributed_type": DistributedType.MULTI_GPU},
             ValueError,
-            r"MULTI_GPU needs a CUDA device; got device=cpu",
+            r"must be MULTI_CPU with num_processes=2 on device cpu; got 'MULTI_GPU'",
         ),
         (
             {
@@ -213,7 +213,7 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
                 "device": torch.device("cuda", 0),
             },
             ValueError,
-            r"MULTI_CPU needs a CPU device; got device=cuda:0",
+            r"must be MULTI_GPU with num_processes=2 on device cuda:0; got 'MULTI_CPU'",
         ),
     ],
 )

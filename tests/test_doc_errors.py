@@ -504,8 +504,9 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "num_processes=4).": lambda _: DistributedContext(
         num_processes=4, process_index=4, distributed_type=DistributedType.MULTI_CPU
     ),
-    "ValueError: DistributedContext: distributed_type is NO but num_processes=4; "
-    "pass distributed_type=DistributedType.MULTI_CPU.": lambda _: DistributedContext(
+    "ValueError: DistributedContext: distributed_type must be MULTI_CPU with "
+    "num_processes=4 on device cpu; got 'NO'. Pass "
+    "distributed_type=DistributedType.MULTI_CPU.": lambda _: DistributedContext(
         num_processes=4
     ),
     "ValueError: context_from_env: RANK is not set but WORLD_SIZE='2'; launch with "

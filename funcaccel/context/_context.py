@@ -24,6 +24,7 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
+from funcaccel._checks import check_index
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
 from funcaccel._group import end_process_group
@@ -105,12 +106,8 @@ class DistributedContext:
             check_type(owner, name, getattr(self, name), int)
         if self.num_processes < 1:
             fail_value(owner, "num_processes", self.num_processes, ">= 1")
-        if not 0 <= self.process_index < self.num_processes:
-            msg = (
-                f"{owner}: process_index ({self.process_index}) must be in "
-                f"[0, num_processes={self.num_processes})."
-            )
-            raise ValueError(msg)
+        p = self.num_processes
+        check_index(owner, "process_index", self.process_index, "num_processes", p)
         if self.local_process_index < 0:
             fail_value(owner, "local_process_index", self.local_process_index, ">= 0")
         hint = "Use e.g. torch.device('cpu')."
@@ -146,33 +143,17 @@ class DistributedContext:
 
 
 def _check_type_consistency(ctx: DistributedContext) -> None:
-    owner = "DistributedContext"
-    kind = ctx.distributed_type
-    if ctx.num_processes == 1 and kind is not DistributedType.NO:
-        msg = (
-            f"{owner}: distributed_type is {kind} but num_processes=1; pass "
-            "distributed_type=DistributedType.NO for a single process."
-        )
-        raise ValueError(msg)
-    if ctx.num_processes > 1 and kind is DistributedType.NO:
-        suggestion = "MULTI_GPU" if ctx.device.type == "cuda" else "MULTI_CPU"
-        msg = (
-            f"{owner}: distributed_type is NO but num_processes={ctx.num_processes}; "
-            f"pass distributed_type=DistributedType.{suggestion}."
-        )
-        raise ValueError(msg)
-    if kind is DistributedType.MULTI_GPU and ctx.device.type != "cuda":
-        msg = (
-            f"{owner}: distributed_type MULTI_GPU needs a CUDA device; got "
-            f"device={ctx.device}. Use DistributedType.MULTI_CPU on CPU."
-        )
-        raise ValueError(msg)
-    if kind is DistributedType.MULTI_CPU and ctx.device.type != "cpu":
-        msg = (
-            f"{owner}: distributed_type MULTI_CPU needs a CPU device; got "
-            f"device={ctx.device}. Use DistributedType.MULTI_GPU on CUDA."
-        )
-        raise ValueError(msg)
+    """``NO`` exactly with one process; else ``MULTI_GPU`` on CUDA, ``MULTI_CPU`` on CPU."""
+    kind, p, device = ctx.distributed_type, ctx.num_processes, ctx.device
+    several = {"cuda": DistributedType.MULTI_GPU, "cpu": DistributedType.MULTI_CPU}
+    expected = DistributedType.NO if p == 1 else several.get(device.type)
+    name = "MULTI_GPU or MULTI_CPU" if expected is None else expected.name
+    what = f"{name} with num_processes={p}" + (f" on device {device}" if p > 1 else "")
+    fix = f"Pass distributed_type=DistributedType.{name}."
+    if expected is None:
+        fix = "Use a CUDA device (MULTI_GPU) or a CPU one (MULTI_CPU)."
+    if kind is not expected:
+        fail_value("DistributedContext", "distributed_type", kind.name, what, fix)
 
 
 def effective_backend(init_kwargs: InitProcessGroupKwargs, device: torch.device) -> str:
