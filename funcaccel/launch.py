@@ -57,6 +57,8 @@ StartMethod = Literal["spawn", "fork", "forkserver"]
 _START_METHODS: Final = ("spawn", "fork", "forkserver")
 _POLL_S: Final = 0.02
 _TRACEBACK_CHARS: Final = 8_000
+# A fork server imports these once; every child forked from it starts with them.
+_FORKSERVER_PRELOAD: Final = ("torch", "torch.distributed", "funcaccel")
 
 
 class LaunchError(RuntimeError):
@@ -225,7 +227,7 @@ def _child(
     rank: int,
     num_processes: int,
     rundir: Path,
-    backend: str,
+    backend: str | None,
     fn: Callable[..., object],
     args: tuple[object, ...],
 ) -> None:
@@ -246,12 +248,13 @@ def _child(
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
     try:
-        start_process_group(
-            backend,
-            init_method=f"file://{rundir}/rendezvous",
-            rank=rank,
-            world_size=num_processes,
-        )
+        if backend is not None:  # None: fn starts its own group
+            start_process_group(
+                backend,
+                init_method=f"file://{rundir}/rendezvous",
+                rank=rank,
+                world_size=num_processes,
+            )
         result = fn(*args)
         outcome = _Outcome(
             rank=rank,
@@ -405,7 +408,7 @@ def launch(
     num_processes: int,
     timeout_s: float | None = None,
     start_method: StartMethod | None = None,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
 ) -> list[T]:
     """Run ``fn(*args)`` on ``num_processes`` local processes; return their results.
 
@@ -418,9 +421,11 @@ def launch(
     after ``fn`` returns if ``fn`` did not (``close_context``) itself. This
     process's environment is not changed.
 
-    With ``num_processes=1``, ``fn(*args)`` runs here, in this process, with no
-    process group (as ``build_context()`` expects of one process): ``[fn(*args)]``
-    is returned, its exception propagates as is and ``timeout_s`` does not apply.
+    With ``num_processes=1`` and no ``start_method``, ``fn(*args)`` runs here, in
+    this process, with no process group (as ``build_context()`` expects of one
+    process): ``[fn(*args)]`` is returned, its exception propagates as is and
+    ``timeout_s`` does not apply. Given a ``start_method``, one child process is
+    started as for several (with a group of one, unless ``backend=None``).
 
     With 2 processes, ``launch(train, cfg, num_processes=2)`` runs ``train(cfg)``
     on rank 0 and rank 1; ``build_context()`` gives ``process_index`` 0 and 1, and
@@ -430,7 +435,10 @@ def launch(
     importable by a new interpreter (defined in a module, or in a script's
     ``__main__`` guarded by ``if __name__ == "__main__":``), else ``"fork"``
     (a notebook or REPL, lambdas, closures); see ``pick_start_method``. Fork is
-    refused when CUDA is initialised here.
+    refused when CUDA is initialised here. ``"forkserver"`` starts quickest when
+    called often (tests): the server, started by the first such call in this
+    process, imports torch and funcaccel once, and each child is forked from it;
+    it keeps the environment of that first call.
 
     Args:
         fn: the function every rank calls; its return value must pickle.
@@ -439,7 +447,9 @@ def launch(
         timeout_s: seconds to wait for every rank; on expiry all are killed and a
             ``TimeoutError`` raised. ``None`` (the default) waits as long as it takes.
         start_method: force ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        backend: the process group's backend (``"gloo"``; ``"nccl"`` on GPUs).
+        backend: the process group's backend (``"gloo"``; ``"nccl"`` on GPUs), or
+            ``None`` to start no group: ``fn`` starts its own (say, to test a
+            rendezvous) from the variables above.
 
     Returns:
         The ranks' return values, indexed by rank.
@@ -454,12 +464,14 @@ def launch(
         TimeoutError: ``timeout_s`` passed first.
     """
     _check_arguments(fn, num_processes, timeout_s, start_method)
-    if num_processes == 1:
+    if num_processes == 1 and start_method is None:
         return [fn(*args)]
     method: StartMethod = start_method or pick_start_method(fn, args)
     if method == "fork":
         _check_fork_is_safe()
     context = multiprocessing.get_context(method)
+    if method == "forkserver":  # read when the server starts, ignored after
+        context.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
     rundir = Path(tempfile.mkdtemp(prefix="funcaccel-launch-"))
     processes: list[BaseProcess] = []
     try:

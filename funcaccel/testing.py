@@ -120,8 +120,18 @@ def run_ranks(
 
     Each rank starts the default group through a ``file://`` rendezvous in a new
     temporary directory (``launch``), calls ``fn`` with ``rank_ctx(world_size,
-    rank)`` and destroys the group afterwards. With ``world_size=1``, ``fn`` runs in
-    this process with ``rank_ctx(1, 0)`` and no group.
+    rank)`` and destroys the group afterwards. With ``world_size=1`` and no
+    ``start_method``, ``fn`` runs in this process with ``rank_ctx(1, 0)`` and no
+    group; given a ``start_method``, in one child process with a gloo group of one
+    (still ``rank_ctx(1, 0)``), so that it may kill itself or change process-wide
+    state without touching the caller.
+
+    ``start_method="forkserver"`` is the quick choice for a test suite: the fork
+    server, started once per calling process, imports torch and funcaccel once,
+    and every rank is forked from it with both loaded (a second or more saved per
+    rank over ``"spawn"``), yet inherits nothing from the caller (no threads, no
+    CUDA state). The server keeps the environment it started with: variables set
+    in the caller afterwards do not reach the ranks (set them inside ``fn``).
 
     With ``world_size=2`` and ``fn = lambda ctx: ctx.process_index`` the result is
     ``[0, 1]``; if rank 1 raises, rank 0 is killed and ``LaunchError`` names rank 1
@@ -135,7 +145,8 @@ def run_ranks(
         *args: further arguments of ``fn``.
         timeout_s: seconds before every rank is killed and ``TimeoutError`` raised
             (120 by default; ``None`` for no limit).
-        start_method: force ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        start_method: force ``"spawn"``, ``"fork"`` or ``"forkserver"``; with
+            ``world_size=1``, also run ``fn`` in a child process.
 
     Returns:
         The ranks' return values, indexed by rank.
@@ -147,7 +158,7 @@ def run_ranks(
     """
     if not callable(fn):
         fail_type("run_ranks", "fn", fn, "callable")
-    if world_size == 1:
+    if world_size == 1 and start_method is None:
         return [fn(rank_ctx(1, 0), *args)]
     call: Callable[..., object] = _call_with_ctx  # fn's types are checked above
     payload: tuple[object, ...] = (fn, *args)

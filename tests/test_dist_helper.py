@@ -1,7 +1,18 @@
-"""The multi-process helper itself: ranks, results and failures come back."""
+"""The harness every multi-process test uses, and the group it starts and ends.
+
+Tests run ranks with ``funcaccel.testing.run_ranks(fn, world_size, *args,
+start_method="forkserver")``; the few that start their own group call
+``funcaccel.launch.launch(..., backend=None)``. These are the harness's promises
+the suite relies on beyond tests/test_testing.py's: with the fork server, results
+come back by rank, a raising rank fails the run with its traceback, one hanging
+rank hits the timeout, one rank runs in a child with a group of one, and a rank
+killed by a signal fails the run.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,34 +27,83 @@ from torch.nn.parallel import DistributedDataParallel
 from funcaccel._group import end_process_group
 from funcaccel._group import start_process_group
 from funcaccel.context import DistributedContext
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.launch import LaunchError
+from funcaccel.launch import launch
+from funcaccel.testing import run_ranks
 
 
-def _all_reduce_rank(ctx: DistributedContext, scale: int) -> tuple[int, float]:
+def _all_reduce_rank(ctx: DistributedContext, scale: int) -> tuple[int, float, int]:
     value = torch.tensor([float(ctx.process_index * scale)])
     dist.all_reduce(value)
-    return ctx.process_index, float(value.item())
+    return ctx.process_index, float(value.item()), os.getppid()
 
 
 def _fail_on_rank_one(ctx: DistributedContext) -> None:
     if ctx.process_index == 1:
         msg = "deliberate failure on rank 1"
         raise ValueError(msg)
+    dist.barrier()  # rank 0 waits for rank 1, which never comes
+
+
+def _hang_on_rank_one(ctx: DistributedContext) -> int:
+    if ctx.process_index == 1:
+        time.sleep(600)
+    return ctx.process_index
+
+
+def _alone_in_a_child(ctx: DistributedContext) -> tuple[int, bool, int, str]:
+    return os.getpid(), dist.is_initialized(), dist.get_world_size(), ctx.backend or ""
+
+
+def _killed(ctx: DistributedContext) -> None:
+    del ctx  # one rank, which dies without a word
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_run_ranks_returns_each_rank_result(tmp_path: Path, world_size: int) -> None:
-    results = run_ranks(_all_reduce_rank, world_size, tmp_path, 10)
+def test_forkserver_ranks_return_their_results_by_rank(world_size: int) -> None:
+    results = run_ranks(_all_reduce_rank, world_size, 10, start_method="forkserver")
     total = float(sum(10 * r for r in range(world_size)))
-    assert results == [(r, total) for r in range(world_size)]
+    assert [(rank, value) for rank, value, _ in results] == [
+        (r, total) for r in range(world_size)
+    ]
+    # Forked by the fork server, not by this process.
+    parents = {parent for _, _, parent in results}
+    assert len(parents) == 1 and os.getpid() not in parents
 
 
 @pytest.mark.distributed
-def test_run_ranks_reports_a_worker_exception(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="deliberate failure on rank 1"):
-        run_ranks(_fail_on_rank_one, 2, tmp_path)
+def test_a_raising_forkserver_rank_fails_the_run_with_its_traceback() -> None:
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 raised ValueError") as info:
+        run_ranks(_fail_on_rank_one, 2, start_method="forkserver", timeout_s=60)
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in info.value.traceback_text
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.distributed
+def test_one_hanging_forkserver_rank_hits_the_timeout_and_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not return"):
+        run_ranks(_hang_on_rank_one, 2, start_method="forkserver", timeout_s=10)
+    assert time.monotonic() - start < 40
+
+
+@pytest.mark.distributed
+def test_one_rank_with_a_start_method_runs_in_a_child_with_a_group_of_one() -> None:
+    [(pid, grouped, world, backend)] = run_ranks(
+        _alone_in_a_child, 1, start_method="forkserver"
+    )
+    assert pid != os.getpid() and (grouped, world) == (True, 1)
+    assert backend == ""  # rank_ctx(1, 0): one process, no backend in the context
+    assert not dist.is_initialized()  # this process is left alone
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_by_a_signal_fails_the_run() -> None:
+    with pytest.raises(LaunchError, match=r"rank 0 of 1 was killed by signal 9"):
+        run_ranks(_killed, 1, start_method="forkserver", timeout_s=60)
 
 
 def _gloo_threads() -> int:
@@ -53,8 +113,9 @@ def _gloo_threads() -> int:
     return names.count("pt_gloo_runloop")
 
 
-def _record_start(rank: int, world_size: int, tmp_path: Path, slow: int) -> float:
+def _record_start(tmp_path: Path, slow: int) -> float:
     """Start the group (rank ``slow`` is slow to finish init); return when it returned."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     original = dist.init_process_group
 
     def init_then_mark(*args: Any, **kwargs: Any) -> None:
@@ -85,15 +146,23 @@ def test_no_rank_leaves_start_process_group_before_every_rank_joined(
     # gloo's init_process_group returns once this rank's side of the mesh is up; a
     # rank that then ended the group at once failed a peer still connecting
     # ("connectFullMesh failed ... Connection closed by peer").
-    returned = run_processes(_record_start, 3, tmp_path, 2)
+    returned = launch(
+        _record_start,
+        tmp_path,
+        2,
+        num_processes=3,
+        backend=None,  # each rank starts the group itself
+        start_method="forkserver",
+        timeout_s=120,
+    )
     slow_init = float((tmp_path / "init_returned_2").read_text())
     assert all(when >= slow_init for when in returned), (returned, slow_init)
 
 
 def _threads_after_end(
-    rank: int, world_size: int, tmp_path: Path, late_import: bool
+    tmp_path: Path, late_import: bool
 ) -> tuple[bool, int, int, bool]:
-    init = f"file://{tmp_path}/rendezvous"
+    rank, init = int(os.environ["RANK"]), f"file://{tmp_path}/rendezvous"
     if late_import:
         # A group started outside funcaccel, then DDP (whose import of
         # torch._dynamo binds the live group into torch's default arguments).
@@ -120,8 +189,14 @@ def test_the_group_and_its_threads_end_in_end_process_group(
 ) -> None:
     # Threads left alive into interpreter finalization aborted ranks at exit
     # ("terminate called without an active exception").
-    for bound, during, after, released in run_processes(
-        _threads_after_end, 2, tmp_path, late_import
+    for bound, during, after, released in launch(
+        _threads_after_end,
+        tmp_path,
+        late_import,
+        num_processes=2,
+        backend=None,  # each rank starts the group itself
+        start_method="forkserver",
+        timeout_s=120,
     ):
         # Started by funcaccel, torch's defaults never hold the group; started by
         # hand, they do until end_process_group releases them.
