@@ -18,6 +18,7 @@ import numbers
 from collections.abc import Mapping
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Final
 from typing import NoReturn
 from typing import TypeVar
@@ -31,6 +32,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_type",
+    "fail_on_ranks",
     "fail_type",
     "fail_value",
     "check_duration",
@@ -41,6 +43,7 @@ __all__ = [
     "is_bool",
     "is_int",
     "is_real",
+    "make_dirs",
     "summary",
     "type_name",
 ]
@@ -314,3 +317,37 @@ def fail_value(
     ValueError: f: rate must be in (0, 1); got 1.5. Use e.g. 0.5.
     """
     _fail(ValueError, caller, name, summary(value), what, hint)
+
+
+def fail_on_ranks(caller: str, what: str, ranks: Sequence[int]) -> NoReturn:
+    """Raise the ``RuntimeError`` of a rank that stops because others failed.
+
+    Ranks exchange whether they failed before any of them raises, so that none is
+    left waiting in a collective; a rank that did not fail itself raises this.
+
+    >>> fail_on_ranks("f", "the body raised", [1])
+    Traceback (most recent call last):
+    RuntimeError: f: the body raised on rank(s) [1]; this rank stops too. See those ranks' tracebacks for the cause.
+    """
+    msg = (
+        f"{caller}: {what} on rank(s) {list(ranks)}; this rank stops too. See those "
+        "ranks' tracebacks for the cause."
+    )
+    raise RuntimeError(msg)
+
+
+def make_dirs(caller: str, what: str, directory: Path) -> None:
+    """Create ``directory`` and its parents, as an argument of ``caller`` names it.
+
+    Raises:
+        OSError: the directory cannot be created; the message names ``caller``,
+            ``what`` (the argument, such as ``"output_trace_dir"``) and the path.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        msg = (
+            f"{caller}: cannot create {what} {str(directory)!r}: {error}; pass a "
+            "directory this process can create and write."
+        )
+        raise OSError(msg) from error

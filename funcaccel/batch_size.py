@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_on_ranks
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
 from funcaccel._checks import type_name
@@ -50,6 +51,8 @@ _OOM_MESSAGES: Final = (
     "DefaultCPUAllocator: can't allocate memory",
     "PT_DEVMEM Allocation failed",
 )
+_NOT_OOM: Final = "raised an error other than out of memory"
+_SAME_START: Final = "Pass one value on every rank."
 _OK: Final = 0
 _OOM: Final = 1
 _ERROR: Final = 2
@@ -88,14 +91,12 @@ def find_executable_batch_size(
 ) -> tuple[T, int]:
     """Call ``fn(batch_size)``, halving the batch size on out-of-memory errors.
 
-    Starting from ``starting_batch_size``, ``fn`` is called; if it raises an
-    out-of-memory error (``is_out_of_memory``) on **any** rank, every rank calls
-    it again with half the batch size (rounded down), so every rank retries
-    ``fn``, also the ranks whose attempt succeeded. ``fn`` must therefore be able
-    to start over: build the loader, model and optimizer inside it (or undo what
-    an attempt changed), as with Accelerate's decorator. Every rank must call
-    this with the same ``starting_batch_size``; after each attempt, one small
-    all-reduce tells every rank how every rank fared.
+    If ``fn`` raises an out-of-memory error (``is_out_of_memory``) on **any**
+    rank, every rank calls it again with half the batch size (rounded down), so
+    ``fn`` must be able to start over: build the loader, model and optimizer
+    inside it. Every rank passes the same ``starting_batch_size``; one small
+    all-reduce per attempt tells every rank how the others fared (more:
+    docs/toolkit.md#find_executable_batch_size).
 
     Args:
         ctx: the run's context.
@@ -114,10 +115,8 @@ def find_executable_batch_size(
         TypeError: ``fn`` not callable or ``starting_batch_size`` not an int.
         ValueError: ``starting_batch_size < 1``, or ranks passed different
             starting batch sizes (on every rank, before ``fn`` runs).
-        Exception: any other exception of ``fn`` propagates on the rank that
-            raised it, after the ranks exchanged it (so no rank waits forever).
-            A rank that hangs or dies inside ``fn`` leaves the others waiting
-            until the process group's timeout.
+        Exception: any other exception of ``fn``, on the rank that raised it
+            (after the ranks exchanged it, so no rank waits forever).
 
     Example, with 2 ranks, ``starting_batch_size=64``, and rank 1 running out of
     memory above 16 (rank 0 above 32): attempt 64 fails on both, 32 fails on
@@ -143,12 +142,7 @@ def find_executable_batch_size(
         if error is not None:
             raise error
         if errors:
-            msg = (
-                f"{caller}: {name}({batch_size}) raised an error other than out of "
-                f"memory on rank(s) {errors}; this rank stops too. See those ranks' "
-                "tracebacks for the cause."
-            )
-            raise RuntimeError(msg)
+            fail_on_ranks(caller, f"{name}({batch_size}) {_NOT_OOM}", errors)
         if _OOM not in codes:
             assert result is not None
             return result[0], batch_size
@@ -188,8 +182,5 @@ def _check_same_start(ctx: DistributedContext, caller: str, start: int) -> None:
     # different batch sizes; one small collective before the first attempt.
     starts = exchange_codes(ctx, start, caller=caller)
     if len(set(starts)) > 1:
-        msg = (
-            f"{caller}: every rank must pass the same starting_batch_size; got "
-            f"{starts} (by rank). Pass one value on every rank."
-        )
-        raise ValueError(msg)
+        name = "starting_batch_size (by rank)"
+        fail_value(caller, name, starts, "the same on every rank", _SAME_START)

@@ -19,6 +19,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence
+from typing import Final
 
 from torch import nn
 from torch.distributed.algorithms.join import Join
@@ -27,7 +28,7 @@ from torch.utils.data import IterableDataset
 
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
-from funcaccel._checks import type_name
+from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
@@ -35,6 +36,14 @@ from funcaccel.loader import ShardedLoader
 from funcaccel.loader import shard_loader
 
 __all__ = ["join_uneven_inputs"]
+
+_JOINABLE: Final = (
+    "a module torch's Join can shadow (DistributedDataParallel, or another "
+    "Joinable such as ZeroRedundancyOptimizer)",
+    "Wrap it with wrap_model(ctx, model) for DDP, or keep even_batches=True (FSDP2 "
+    "has no join support).",
+)
+_ONE_MODEL: Final = ("at least one model", "Pass the DDP model(s) you train.")
 
 
 def _inside_compile(model: object) -> object:
@@ -56,18 +65,10 @@ def _joinables(models: object) -> list[Joinable]:
     for i, model in enumerate(_as_sequence(models, "models")):
         inner = _inside_compile(model)
         if not isinstance(inner, Joinable):
-            msg = (
-                f"join_uneven_inputs: models[{i}] is a {type_name(inner)}, which "
-                "torch's Join cannot shadow (only DistributedDataParallel and other "
-                "Joinables, e.g. ZeroRedundancyOptimizer, can); wrap it with "
-                "wrap_model(ctx, model) for DDP, or keep even_batches=True (FSDP2 "
-                "has no join support)."
-            )
-            raise TypeError(msg)
+            fail_type("join_uneven_inputs", f"models[{i}]", inner, *_JOINABLE)
         found.append(inner)
     if not found:
-        msg = "join_uneven_inputs: models is empty; pass the DDP model(s) you train."
-        raise ValueError(msg)
+        fail_value("join_uneven_inputs", "models", models, *_ONE_MODEL)
     return found
 
 
@@ -116,16 +117,11 @@ def join_uneven_inputs(
     """Let ranks with different numbers of batches train together (torch ``Join``).
 
     Yields the loaders to iterate inside the block: with ``even_batches`` given,
-    a new ``ShardedLoader`` for each map-style loader in ``loaders`` whose
-    ``even_batches`` differs (same dataloader, options, seed and epoch; the ones
-    you passed are not changed); otherwise ``loaders`` as they are. Join is
-    enabled unless the batches are even: with ``even_batches=True``, or with
-    ``even_batches=None`` and ``loaders`` all built with ``even_batches=True``,
-    it is entered disabled (no extra collective). With no loaders and
-    ``even_batches=None`` it is enabled. ``throw_on_early_termination`` is off, as
-    in Accelerate: a finished rank keeps shadowing until every rank is done.
-
-    With one process nothing is entered and ``loaders`` are yielded unchanged.
+    a new ``ShardedLoader`` for each map-style loader whose ``even_batches``
+    differs (the ones you passed are not changed); otherwise ``loaders`` as they
+    are. Join is entered disabled when the batches are even (``even_batches=True``,
+    or ``None`` with every loader even); a finished rank keeps shadowing until
+    every rank is done, as in Accelerate. With one process nothing is entered.
 
     Per rank, with 2 ranks, 6 samples, ``batch_size=2``: the loaders yielded for
     ``even_batches=False`` give rank 0 [0,1] [4,5] and rank 1 only [2,3]; the

@@ -23,6 +23,7 @@ import functools
 from collections.abc import Iterable
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Final
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -31,7 +32,7 @@ from funcaccel._checks import as_tuple_of
 from funcaccel._checks import check_norm
 from funcaccel._checks import check_scaler
 from funcaccel._checks import check_type
-from funcaccel._checks import summary
+from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_zero_parameter
@@ -40,8 +41,19 @@ from funcaccel.context import DistributedContext
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import GradScalerKwargs
 
+_MODES: Final = "'no', 'fp16' or 'bf16'"
+_OWNERS: Final = "the optimizer(s) owning the parameters when a scaler is given"
+_UNSCALED: Final = "Their gradients are unscaled before clipping."
+_NOT_ZERO: Final = (
+    "outside a DeepSpeed ZeRO engine, whose optimizer holds their gradients in its "
+    "own partitions"
+)
+_ZERO_FIX: Final = (
+    "Pass max_grad_norm={!r} to accumulate_step instead (ZeRO clips the window's "
+    "whole gradient before its step), or set DeepSpeedOptions(gradient_clipping=...)."
+)
+
 __all__ = [
-    "as_tuple_of",  # lives in funcaccel._checks; importable here as before
     "autocast_ctx",
     "autocast_dtype",
     "build_grad_scaler",
@@ -66,11 +78,7 @@ def autocast_dtype(mixed_precision: MixedPrecision) -> torch.dtype | None:
         return torch.bfloat16
     if mixed_precision == "no":
         return None
-    msg = (
-        f"autocast_dtype: mixed_precision must be 'no', 'fp16' or 'bf16'; got "
-        f"{summary(mixed_precision)}."
-    )
-    raise ValueError(msg)
+    fail_value("autocast_dtype", "mixed_precision", mixed_precision, _MODES)
 
 
 def autocast_ctx(
@@ -217,32 +225,31 @@ def clip_grad_norm_(
     """
     check_norm("clip_grad_norm_", "max_norm", max_norm)
     check_norm("clip_grad_norm_", "norm_type", norm_type)
-    if scaler is not None:
-        check_scaler("clip_grad_norm_", scaler)
-        if optimizer is None:
-            msg = (
-                "clip_grad_norm_: a scaler was given but optimizer=None; pass the "
-                "optimizer(s) owning the parameters so their gradients are unscaled "
-                "before clipping."
-            )
-            raise ValueError(msg)
-        unscale_grads_(scaler, optimizer)
+    _unscale_first("clip_grad_norm_", scaler, optimizer)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if any(is_zero_parameter(p) for p in params):
         # ZeRO moves the gradients into its own partitions (``.grad`` is None or
         # stale): clipping here would silently clip nothing.
-        msg = (
-            "clip_grad_norm_: the parameters belong to a DeepSpeed ZeRO engine, whose "
-            "optimizer holds their gradients in its own partitions; pass "
-            f"max_grad_norm={max_norm!r} to accumulate_step instead (ZeRO clips the "
-            "window's whole gradient before its step), or set "
-            "DeepSpeedOptions(gradient_clipping=...)."
-        )
-        raise ValueError(msg)
+        fix = _ZERO_FIX.format(max_norm)
+        fail_value("clip_grad_norm_", "parameters", params, _NOT_ZERO, fix)
     grads = [p.grad for p in params if p.grad is not None]
     if any(is_dtensor(g) for g in grads):
         return _clip_distributed(grads, max_norm, norm_type)
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def _unscale_first(
+    caller: str,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> None:
+    """Unscale ``optimizer``'s gradients before clipping, when there is a scaler."""
+    if scaler is None:
+        return
+    check_scaler(caller, scaler)
+    if optimizer is None:
+        fail_value(caller, "optimizer", optimizer, _OWNERS, _UNSCALED)
+    unscale_grads_(scaler, optimizer)
 
 
 def _clip_distributed(
@@ -301,16 +308,7 @@ def clip_grad_value_(
     [-1.0, 0.5, 1.0]
     """
     check_norm("clip_grad_value_", "clip_value", clip_value)
-    if scaler is not None:
-        check_scaler("clip_grad_value_", scaler)
-        if optimizer is None:
-            msg = (
-                "clip_grad_value_: a scaler was given but optimizer=None; pass the "
-                "optimizer(s) owning the parameters so their gradients are unscaled "
-                "before clipping."
-            )
-            raise ValueError(msg)
-        unscale_grads_(scaler, optimizer)
+    _unscale_first("clip_grad_value_", scaler, optimizer)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     # torch's clip_grad_value_ fails on an empty list of gradients (torch 2.13).
     with_grad = [p for p in params if p.grad is not None]

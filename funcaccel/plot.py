@@ -23,6 +23,7 @@ from typing import Final
 
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
+from funcaccel._checks import make_dirs
 from funcaccel._checks import summary
 
 __all__ = ["plot_metrics", "read_metrics"]
@@ -220,6 +221,6 @@ def plot_metrics(
         if len(per_file) > 1:
             ax.legend(fontsize="small")
     target = _default_out(run) if out is None else Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs("plot_metrics", "the directory of out", target.parent)
     figure.savefig(target, format="png", dpi=100)
     return target

@@ -28,6 +28,7 @@ from typing import TypeAlias
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_on_ranks
 from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
 from funcaccel._primitives import exchange_codes
@@ -63,11 +64,16 @@ def _meet(ctx: DistributedContext, caller: str, stage: str, failed: bool) -> Non
     codes = exchange_codes(ctx, _FAILED if failed else 0, caller=caller)
     failed_ranks = [rank for rank, code in enumerate(codes) if code == _FAILED]
     if failed_ranks and not failed:
-        msg = (
-            f"{caller}: the body raised on rank(s) {failed_ranks} ({stage}); this "
-            "rank stops too. See those ranks' tracebacks for the cause."
-        )
-        raise RuntimeError(msg)
+        fail_on_ranks(caller, f"the body raised ({stage})", failed_ranks)
+
+
+def _first_ctx(
+    ctx: DistributedContext, caller: str, *, local: bool
+) -> contextlib.AbstractContextManager[None]:
+    check_context(caller, ctx)
+    require_process_group(ctx, caller)
+    first = ctx.is_local_main_process if local else ctx.is_main_process
+    return _goes_first(ctx, caller, first)
 
 
 @contextlib.contextmanager
@@ -127,9 +133,7 @@ def main_process_first(
     >>> with main_process_first(DistributedContext()):
     ...     pass
     """
-    check_context("main_process_first", ctx)
-    require_process_group(ctx, "main_process_first")
-    return _goes_first(ctx, "main_process_first", ctx.is_main_process)
+    return _first_ctx(ctx, "main_process_first", local=False)
 
 
 def local_main_process_first(
@@ -137,21 +141,10 @@ def local_main_process_first(
 ) -> contextlib.AbstractContextManager[None]:
     """Return a context manager in which each machine's local rank 0 runs first.
 
-    As ``main_process_first``, with the rank 0 of each machine
-    (``ctx.is_local_main_process``) running the body first, while every other rank
-    of the run waits; then the others run it, and all leave together. Failures are
-    handled as in ``main_process_first``.
-
-    Args:
-        ctx: the run's context.
-
-    Returns:
-        A fresh, unentered context manager.
-
-    Raises:
-        TypeError: ``ctx`` is not a ``DistributedContext``.
-        RuntimeError: no matching process group with several processes; or the body
-            raised on another rank.
+    As ``main_process_first`` (arguments, result, errors and failure handling),
+    with the rank 0 of each machine (``ctx.is_local_main_process``) running the
+    body first, while every other rank of the run waits; then the others run it,
+    and all leave together.
 
     Example, with 2 machines of 2 processes (global ranks 0-3, local ranks 0, 1,
     0, 1): ranks 0 and 2 write a per-machine cache; then ranks 1 and 3 read it.
@@ -159,9 +152,7 @@ def local_main_process_first(
     >>> with local_main_process_first(DistributedContext()):
     ...     pass
     """
-    check_context("local_main_process_first", ctx)
-    require_process_group(ctx, "local_main_process_first")
-    return _goes_first(ctx, "local_main_process_first", ctx.is_local_main_process)
+    return _first_ctx(ctx, "local_main_process_first", local=True)
 
 
 def print_main(

@@ -53,6 +53,8 @@ import torch.profiler
 
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
+from funcaccel._checks import make_dirs
 from funcaccel._checks import summary
 from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
@@ -115,7 +117,7 @@ class _TraceSink:
             path = profiler_trace_path(
                 self.trace_dir, self.process_index, self.cycles_written
             )
-            _make_trace_dir(self.trace_dir)
+            make_dirs(_OWNER, "output_trace_dir", self.trace_dir)
             prof.export_chrome_trace(str(path))
             self.cycles_written += 1
             # torch saves a trace once; the final file will be a copy of this one.
@@ -124,17 +126,6 @@ class _TraceSink:
             # Hold the window's own recorder: torch replaces ``prof.profiler`` when
             # the next window starts, but the old one keeps its results.
             self.latest, self.latest_file = prof.profiler, None
-
-
-def _make_trace_dir(trace_dir: Path) -> None:
-    try:
-        trace_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        msg = (
-            f"{_OWNER}: cannot create output_trace_dir {str(trace_dir)!r}: {error}; "
-            "pass a directory this process can create and write."
-        )
-        raise OSError(msg) from error
 
 
 def _export_final(
@@ -152,7 +143,7 @@ def _export_final(
             "and run more iterations, or lower wait, warmup or skip_first."
         )
         raise ValueError(msg)
-    _make_trace_dir(sink.trace_dir)
+    make_dirs(_OWNER, "output_trace_dir", sink.trace_dir)
     try:
         # torch ships the recorder's export method without annotations.
         sink.latest.export_chrome_trace(str(path))  # type: ignore[no-untyped-call]
@@ -189,12 +180,8 @@ def _check_ranks(ctx: DistributedContext, ranks: Collection[int]) -> frozenset[i
     for rank in ranks:
         check_type(_OWNER, "every item of ranks", rank, int)
         if not 0 <= rank < ctx.num_processes:
-            msg = (
-                f"{_OWNER}: rank {rank} in ranks={summary(ranks)} is out of range for "
-                f"num_processes={ctx.num_processes}; pass ranks in "
-                f"[0, {ctx.num_processes})."
-            )
-            raise ValueError(msg)
+            what = f"in [0, {ctx.num_processes}) for num_processes={ctx.num_processes}"
+            fail_value(_OWNER, "every item of ranks", rank, what)
     return frozenset(ranks)
 
 

@@ -181,16 +181,12 @@ def maybe_step_scheduler(
     """Step ``scheduler`` in place as often as ``scheduler_steps_due`` says.
 
     Call it after every ``accumulate_step`` with the state that returned, and
-    with ``loader=`` the ``ShardedLoader`` the batches come from: whether it
-    splits batches decides how many steps an update counts, and it is set in
-    that one place (``shard_loader(..., split_batches=...)``). With several
-    processes and ``step_with_optimizer=True``, leaving out both ``loader`` and
-    ``split_batches`` is an error, not a guess. A
-    scheduler with a ``total_steps`` attribute (``OneCycleLR``) steps only while
-    its ``_step_count <= total_steps``, so it stops at its end instead of raising.
-    ``ReduceLROnPlateau`` is stepped with ``metrics`` (required for it, refused
-    for others); as it counts evaluations, it is usually stepped with
-    ``step_with_optimizer=False`` once per evaluation.
+    with ``loader=`` the ``ShardedLoader`` the batches come from (whether it
+    splits batches decides how many steps an update counts). A scheduler with a
+    ``total_steps`` (``OneCycleLR``) stops at its end instead of raising;
+    ``ReduceLROnPlateau`` needs ``metrics`` and is usually stepped once per
+    evaluation with ``step_with_optimizer=False``. The rules:
+    docs/accumulate.md#semantics-stepping-the-scheduler.
 
     Example, 2 ranks, ``k=2``, 4 batches per rank, ``StepLR``: ``_step_count`` goes
     1 → 3 → 5 on every rank (``split_batches=True``: 1 → 2 → 3). ``OneCycleLR`` with

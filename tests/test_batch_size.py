@@ -267,7 +267,7 @@ def test_find_executable_batch_size_on_real_ranks(world: int, tmp_path: Path) ->
         assert tried == []
         assert (kind, msg) == (
             "ValueError",
-            "find_executable_batch_size: every rank must pass the same "
-            f"starting_batch_size; got {[8 + r for r in range(world)]} (by rank). "
-            "Pass one value on every rank.",
+            "find_executable_batch_size: starting_batch_size (by rank) must be the "
+            f"same on every rank; got {[8 + r for r in range(world)]}. Pass one value "
+            "on every rank.",
         )

@@ -101,7 +101,9 @@ def test_unscales_first_and_only_once(clip_twice: bool) -> None:
 def test_a_scaler_needs_the_optimizer() -> None:
     scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(
-        ValueError, match=r"^clip_grad_value_: a scaler was given but optimizer=None"
+        ValueError,
+        match=r"^clip_grad_value_: optimizer must be the optimizer\(s\) owning the "
+        r"parameters when a scaler is given; got None\.",
     ):
         fa.clip_grad_value_([param_with_grad([1.0])], 1.0, scaler=scaler)
     with pytest.raises(

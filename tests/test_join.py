@@ -125,7 +125,11 @@ def test_join_warns_and_keeps_an_iterable_loader(tmp_path: Path) -> None:
 
 
 def test_join_refuses_a_model_that_is_not_ddp() -> None:
-    with pytest.raises(TypeError, match=r"join_uneven_inputs: models\[0\] is a Linear"):
+    with pytest.raises(
+        TypeError,
+        match=r"join_uneven_inputs: models\[0\] must be a module torch's Join can "
+        r"shadow .*; got Linear\(.*\) \(Linear\)\. Wrap it with wrap_model",
+    ):
         with join_uneven_inputs(rank_ctx(2, 0), nn.Linear(1, 1), even_batches=False):
             pass
 

@@ -295,6 +295,7 @@ def test_power_sgd_hooks_take_any_wrapper(hook: str, wrapper: str) -> None:
         ),
         ({"dim": -1}, ValueError, r"dim must be an int >= 0; got -1"),
         ({"static_graph": 1}, TypeError, r"static_graph must be a bool; got 1 \(int\)"),
+        ({"broadcast_buffers": 0}, TypeError, r"broadcast_buffers must be a bool"),
     ],
 )
 def test_ddp_kwargs_reject_bad_values(
@@ -435,6 +436,7 @@ def test_init_process_group_kwargs_reject_bad_values(
         ),
         ({"on_trace_ready": 3}, TypeError, r"on_trace_ready must be callable; got 3"),
         ({"with_flops": None}, TypeError, r"with_flops must be a bool; got None"),
+        ({"record_shapes": 1}, TypeError, r"record_shapes must be a bool; got 1"),
         ({"output_trace_dir": 7}, TypeError, r"output_trace_dir must be a path"),
     ],
 )

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from funcaccel._checks import as_tuple_of
 from funcaccel.context import DistributedContext
 from funcaccel.kwargs import AutocastKwargs
 from funcaccel.kwargs import GradScalerKwargs
-from funcaccel.mixed_precision import as_tuple_of
 from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.mixed_precision import autocast_dtype
 from funcaccel.mixed_precision import build_grad_scaler
@@ -206,7 +206,9 @@ def test_clip_grad_norm_rejects_bad_arguments() -> None:
     w = _param([0.0], [1.0])
     scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(
-        ValueError, match=r"clip_grad_norm_: a scaler was given but optimizer=None"
+        ValueError,
+        match=r"clip_grad_norm_: optimizer must be the optimizer\(s\) owning the "
+        r"parameters when a scaler is given; got None\. Their gradients are unscaled",
     ):
         clip_grad_norm_([w], 1.0, scaler=scaler)
     for bad in (0.0, -1.0, math.nan):

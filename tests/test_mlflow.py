@@ -95,11 +95,15 @@ def test_mlflow_tracker_reads_a_path_as_a_local_database(
     ("kwargs", "error", "match"),
     [
         ({"tracking_uri": 3}, TypeError, r"tracking_uri must be a str .* got 3 \(int"),
-        ({"tracking_uri": ""}, ValueError, r"tracking_uri must name a .* got ''"),
+        (
+            {"tracking_uri": ""},
+            ValueError,
+            r"tracking_uri must be a database file or a URI; got ''",
+        ),
         (
             {"tracking_uri": "x.db", "experiment_name": ""},
             ValueError,
-            r"experiment_name must not be empty",
+            r"experiment_name must be non-empty; got ''",
         ),
         (
             {"tracking_uri": "x.db", "run_name": 7},
@@ -206,7 +210,8 @@ def test_mlflow_tracker_not_main_process_only_logs_on_every_rank(
         (
             lambda t: t.log({"loss": torch.ones(2)}),
             ValueError,
-            r"MLflowTracker.log: value 'loss' is a tensor with 2 elements",
+            r"MLflowTracker.log: value 'loss' must be one number; got "
+            r"tensor\(shape=\(2,\)",
         ),
         (
             lambda t: t.log({"loss": [1.0]}),
@@ -248,7 +253,9 @@ def test_mlflow_tracker_rejects_bad_values_before_writing(
 def test_mlflow_tracker_names_a_directory_or_an_unwritable_path(tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
     with pytest.raises(
-        ValueError, match=r"MLflowTracker: tracking_uri '.*' is a directory; pass"
+        ValueError,
+        match=r"MLflowTracker: tracking_uri must be a database file, not a "
+        r"directory; got '.*'\. Pass the database file in it",
     ):
         MLflowTracker(tmp_path).log({"loss": 1.0})
     (tmp_path / "file").write_text("x")

@@ -301,13 +301,17 @@ def test_a_body_that_raises_stops_every_rank_without_a_hang(
             assert (kind, msg, ran) == ("ValueError", "main failed", [0])
         else:
             assert kind == "RuntimeError" and ran == []
-            assert msg.startswith("main_process_first: the body raised on rank(s) [0]")
+            assert msg.startswith(
+                "main_process_first: the body raised (while the first processes ran "
+                "it) on rank(s) [0]; this rank stops too."
+            )
         kind, msg = result["other fails"]
         if rank == 1:
             assert (kind, msg) == ("KeyError", "'rank 1 failed'")
         else:
             assert kind == "RuntimeError"
-            assert msg.startswith("main_process_first: the body raised on rank(s) [1]")
+            assert msg.startswith("main_process_first: the body raised (")
+            assert "on rank(s) [1]; this rank stops too." in msg
 
 
 @pytest.mark.distributed

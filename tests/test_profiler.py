@@ -200,8 +200,12 @@ def test_build_profiler_reports_uncreatable_trace_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("ranks", "error", "match"),
     [
-        ([2], ValueError, r"rank 2 in ranks=\[2\] is out of range for num_processes=2"),
-        ([-1], ValueError, r"rank -1 .* out of range"),
+        (
+            [2],
+            ValueError,
+            r"every item of ranks must be in \[0, 2\) for num_processes=2; got 2\.",
+        ),
+        ([-1], ValueError, r"every item of ranks must be in \[0, 2\) .*; got -1"),
         ("0", TypeError, r"ranks must be a collection of ints .* got '0'"),
         (0, TypeError, r"ranks must be a collection .* got 0 \(int\)"),
         ([True], TypeError, r"every item of ranks must be an int; got True \(bool\)"),

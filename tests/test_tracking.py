@@ -148,7 +148,8 @@ def _any(value: object) -> Any:
         (
             lambda: store_config(SINGLE, [_any(object())], {}),
             TypeError,
-            r"store_config: trackers\[0\] is <object .* lacks the Tracker methods",
+            r"store_config: trackers\[0\] must be a Tracker \(with name, log, "
+            r"store_init_configuration and finish\); got <object .*",
         ),
         (
             lambda: log_metrics(SINGLE, [], _any([("loss", 1.0)])),
@@ -243,9 +244,14 @@ def test_normalize_metrics_keeps_plain_values(
         (
             {"loss": torch.ones(3)},
             ValueError,
-            r"value 'loss' is a tensor with 3 elements \(shape \(3,\)\)",
+            r"value 'loss' must be one number; got tensor\(shape=\(3,\), "
+            r"dtype=torch\.float32\)\. Log a single number",
         ),
-        ({"loss": torch.ones(0)}, ValueError, r"tensor with 0 elements"),
+        (
+            {"loss": torch.ones(0)},
+            ValueError,
+            r"must be one number; got tensor\(shape=\(0,\)",
+        ),
         (
             {"loss": [1.0]},
             TypeError,
@@ -288,7 +294,7 @@ def test_in_memory_tracker_refuses_records_after_finish() -> None:
         ValueError, match=r"InMemoryTracker.log: the tracker was finished"
     ):
         tracker.log({"loss": 1.0})
-    with pytest.raises(ValueError, match="name must not be empty"):
+    with pytest.raises(ValueError, match="name must be non-empty; got ''"):
         InMemoryTracker(name="")
 
 
@@ -388,7 +394,10 @@ def test_jsonl_tracker_appends_to_an_existing_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key", ["step", "time", "config"])
 def test_jsonl_tracker_rejects_reserved_keys(tmp_path: Path, key: str) -> None:
-    with pytest.raises(ValueError, match=rf"'{key}' is a reserved key"):
+    with pytest.raises(
+        ValueError,
+        match=rf"every metric name must be other than .*; got '{key}'\. Rename",
+    ):
         JSONLTracker(tmp_path / "m.jsonl").log({key: 1})
     assert list(tmp_path.iterdir()) == []
 
@@ -405,7 +414,8 @@ def test_csv_tracker_fixes_columns_at_first_log(tmp_path: Path) -> None:
     tracker.log({"acc": 1.0})
     with pytest.raises(
         ValueError,
-        match=r"metric 'lr' has no column .* \['step', 'time', 'loss', 'acc'\]",
+        match=r"every metric must be a column of its own \(the columns are "
+        r"\['step', 'time', 'loss', 'acc'\]\); got 'lr'\. Log every metric",
     ):
         tracker.log({"loss": 0.1, "lr": 0.01}, step=2)
     tracker.finish()
@@ -435,7 +445,11 @@ def test_csv_tracker_resumes_with_the_existing_header(tmp_path: Path) -> None:
 def test_csv_tracker_refuses_a_foreign_csv(tmp_path: Path) -> None:
     path = tmp_path / "m.csv"
     path.write_text("epoch,loss\n0,1.0\n")
-    with pytest.raises(ValueError, match=r"exists with header \['epoch', 'loss'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"the header of '.*m\.csv' must be a row starting with 'step', 'time'; "
+        r"got \['epoch', 'loss'\]\. Pass a new path",
+    ):
         CSVTracker(path).log({"loss": 1.0})
     assert path.read_text() == "epoch,loss\n0,1.0\n"
 
@@ -450,7 +464,8 @@ def test_csv_tracker_merges_configuration_into_a_json_file(tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.config.json"]
     tracker.config_path.write_text("[1, 2]")
     with pytest.raises(
-        ValueError, match=r"m\.config\.json' exists but does not hold a JSON object"
+        ValueError,
+        match=r"m\.config\.json' must be a JSON object; got .*\. Move it away",
     ):
         tracker.store_init_configuration({"lr": 0.3})
 
@@ -496,7 +511,7 @@ def test_tensorboard_tracker_writes_events_read_back(tmp_path: Path) -> None:
     )
     log_metrics(SINGLE, [tracker], {"loss": 0.25}, step=4)
     with pytest.raises(
-        ValueError, match=r"TensorBoardTracker.log: value 'loss' is a tensor"
+        ValueError, match=r"TensorBoardTracker.log: value 'loss' must be one number"
     ):
         tracker.log({"loss": torch.ones(2)})
     finish_trackers(SINGLE, [tracker])
@@ -592,7 +607,9 @@ def test_tracker_base_rejects_a_bad_name_or_flag() -> None:
         _ListTracker(main_process_only=_any("yes"))
     with pytest.raises(TypeError, match=r"InMemoryTracker: name must be a str; got 3"):
         InMemoryTracker(name=_any(3))
-    with pytest.raises(ValueError, match=r"JSONLTracker: path must not be empty"):
+    with pytest.raises(
+        ValueError, match=r"JSONLTracker: path must be non-empty; got ''"
+    ):
         JSONLTracker("")
 
 
@@ -668,10 +685,16 @@ def test_trackers_from_names_names_the_extra_of_a_missing_package(
         (
             "neptune",
             ValueError,
-            r"unknown tracker name 'neptune'; the names are \['jsonl', 'csv', "
-            r"'tensorboard', 'mlflow', 'wandb', 'all'\]",
+            r"names_or_all\[0\] must be one of 'jsonl', 'csv', "
+            r"'tensorboard', 'mlflow', 'wandb', 'all'; got 'neptune'\. 'all' is every "
+            r"one whose package is installed\.",
         ),
-        (["jsonl", "jsonl"], ValueError, r"'jsonl' is named twice"),
+        (
+            ["jsonl", "jsonl"],
+            ValueError,
+            r"names_or_all must be a list naming each tracker once; got \['jsonl', "
+            r"'jsonl'\]\. 'jsonl' is named twice\.",
+        ),
         (["jsonl", 3], TypeError, r"names_or_all\[1\] must be a str; got 3 \(int\)"),
         (3, TypeError, r"names_or_all must be a tracker name or a list .* got 3"),
         (b"jsonl", TypeError, r"names_or_all must be .* got b'jsonl' \(bytes\)"),
@@ -689,6 +712,6 @@ def test_trackers_from_names_rejects_bad_arguments(tmp_path: Path) -> None:
         trackers_from_names(_any(0), "jsonl", tmp_path)
     with pytest.raises(TypeError, match=r"project_dir must be a str or os.PathLike"):
         trackers_from_names(SINGLE, "jsonl", _any(None))
-    with pytest.raises(ValueError, match=r"project_name must not be empty; got ''"):
+    with pytest.raises(ValueError, match=r"project_name must be non-empty; got ''"):
         trackers_from_names(SINGLE, "jsonl", tmp_path, project_name="")
     assert trackers_from_names(SINGLE, [], tmp_path) == []

@@ -147,8 +147,12 @@ def test_wandb_tracker_names_the_extra_when_missing(
     ("build", "error", "match"),
     [
         (lambda d: WandbTracker(_any(3)), TypeError, r"dir must be a str or os.Path"),
-        (lambda d: WandbTracker(""), ValueError, r"dir must not be empty"),
-        (lambda d: WandbTracker(d, project=""), ValueError, r"project must not be"),
+        (lambda d: WandbTracker(""), ValueError, r"dir must be non-empty; got ''"),
+        (
+            lambda d: WandbTracker(d, project=""),
+            ValueError,
+            r"project must be non-empty",
+        ),
         (
             lambda d: WandbTracker(d, run_name=_any(1)),
             TypeError,
@@ -163,7 +167,8 @@ def test_wandb_tracker_names_the_extra_when_missing(
         (
             lambda d: WandbTracker(d, init_kwargs={"dir": "x"}),
             ValueError,
-            r"init_kwargs may not set 'dir'; the tracker sets it from the tracker's dir",
+            r"every key of init_kwargs must be an argument the tracker does not set "
+            r"itself; got 'dir'\. The tracker sets 'dir' from the tracker's dir\.",
         ),
         (
             lambda d: WandbTracker(d, init_kwargs=_any(["entity"])),
@@ -217,10 +222,14 @@ def test_wandb_tracker_offline_run_read_back(tmp_path: Path) -> None:
     log_metrics(SINGLE, [tracker], {"acc": 0.75}, step=3)  # merged into step 3
     log_metrics(SINGLE, [tracker], {"loss": 0.25, "flag": True}, step=4)
     with pytest.raises(
-        ValueError, match=r"WandbTracker.log: step 2 is below the run's current step 4"
+        ValueError,
+        match=r"WandbTracker.log: step must be >= the run's current step 4; got 2\. "
+        r"W&B drops such records",
     ):
         tracker.log({"loss": 9.0}, step=2)
-    with pytest.raises(ValueError, match=r"WandbTracker.log: value 'loss' is a tensor"):
+    with pytest.raises(
+        ValueError, match=r"WandbTracker.log: value 'loss' must be one number"
+    ):
         tracker.log({"loss": torch.ones(2)})
     store_config(SINGLE, [tracker], {"lr": 0.2})  # later values win
     finish_trackers(SINGLE, [tracker])

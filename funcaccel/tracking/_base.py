@@ -20,6 +20,7 @@ from typing import TypeAlias
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import type_name
 from funcaccel.tracking._values import ConfigValue
 from funcaccel.tracking._values import check_open
@@ -36,20 +37,12 @@ class TrackerBase(abc.ABC):
     """A base for trackers: the checks and the finished state, around your writing.
 
     A subclass calls ``super().__init__(name=..., main_process_only=...)`` and
-    implements ``_write_metrics(values, step)`` and ``_write_config(values)``, and
-    ``_close()`` when it holds a file or a connection. ``log``,
-    ``store_init_configuration`` and ``finish`` (the ``Tracker`` methods) call
-    them after the shared checks, so the backend receives plain values only:
-
-    - ``log(values, step)`` refuses a finished tracker (``ValueError``), checks
-      ``step`` and passes ``normalize_metrics(values)`` (a new dict) on;
-    - ``store_init_configuration(values)`` does the same with
-      ``normalize_config(values)``;
-    - ``finish()`` calls ``_close()`` once; calling it again is harmless.
-
-    Error messages start with the subclass's name, as in ``"JSONLTracker.log: ..."``.
-    Build nothing in ``__init__`` that touches the disk or the network: every rank
-    constructs the same trackers and only the gated ranks call them.
+    implements ``_write_metrics(values, step)``, ``_write_config(values)`` and,
+    when it holds a file or a connection, ``_close()``. The ``Tracker`` methods
+    call them after the shared checks (a finished tracker refuses records,
+    ``step`` is checked, values are normalised), so the backend sees plain values
+    only; ``finish()`` calls ``_close()`` once. Build nothing in ``__init__`` that
+    touches the disk or the network. More: docs/tracking.md#a-tracker-of-your-own.
 
     >>> class ListTracker(TrackerBase):
     ...     def __init__(self) -> None:
@@ -160,11 +153,7 @@ def tracker_path(owner: str, name: str, value: object) -> Path:
         hint = "It is a path of bytes; pass it as a str."
         fail_type(owner, name, value, "a str or os.PathLike of str", hint)
     if not text:
-        msg = (
-            f"{owner}: {name} must not be empty; got ''. Pass a path such as "
-            "'runs/exp1'."
-        )
-        raise ValueError(msg)
+        fail_value(owner, name, value, "non-empty", "Pass a path such as 'runs/exp1'.")
     return Path(text)
 
 
@@ -177,8 +166,7 @@ def check_name(owner: str, name: str, value: object, example: str) -> str:
     """
     text = check_type(owner, name, value, str, hint=f"Pass e.g. {example!r}.")
     if not text:
-        msg = f"{owner}: {name} must not be empty; got ''. Pass e.g. {example!r}."
-        raise ValueError(msg)
+        fail_value(owner, name, text, "non-empty", f"Pass e.g. {example!r}.")
     return text
 
 

@@ -12,9 +12,10 @@ from types import MappingProxyType
 from typing import Final
 from typing import NamedTuple
 
+from funcaccel._checks import check_choice
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
-from funcaccel._checks import summary
+from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
 from funcaccel.tracking._base import TrackerBase
@@ -53,6 +54,9 @@ _TRACKERS: Final[Mapping[str, _Entry]] = MappingProxyType(
     }
 )
 _ALL: Final = "all"
+_CHOICES: Final = (*_TRACKERS, _ALL)
+_ALL_HINT: Final = "'all' is every one whose package is installed."
+_ONCE: Final = "a list naming each tracker once"
 
 
 def _installed(package: str | None) -> bool:
@@ -74,18 +78,10 @@ def _names(names_or_all: object) -> list[str]:
         hint = f"Pass tracker names from {valid}."
         where = f"names_or_all[{index}]"
         name = check_type("trackers_from_names", where, name, str, hint=hint)
-        if name != _ALL and name not in _TRACKERS:
-            msg = (
-                f"trackers_from_names: unknown tracker name {name!r}; the names are "
-                f"{valid} ('all' is every one whose package is installed)."
-            )
-            raise ValueError(msg)
+        check_choice("trackers_from_names", where, name, _CHOICES, hint=_ALL_HINT)
         if name in names:
-            msg = (
-                f"trackers_from_names: {name!r} is named twice in "
-                f"{summary(asked)}; name each tracker once."
-            )
-            raise ValueError(msg)
+            hint = f"{name!r} is named twice."
+            fail_value("trackers_from_names", "names_or_all", asked, _ONCE, hint)
         names.append(name)
     return names
 

@@ -23,6 +23,7 @@ from typing import IO
 from typing import Final
 
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import tracker_path
@@ -35,6 +36,20 @@ __all__ = [
 
 Clock = Callable[[], float]
 _TIME_KEYS: Final = ("step", "time")
+_RESERVED: Final = (*_TIME_KEYS, "config")
+_NOT_RESERVED: Final = (
+    "other than 'step', 'time' and 'config' (each record's own keys)",
+    "Rename that metric.",
+)
+_STEP_TIME: Final = (
+    "a row starting with 'step', 'time'",
+    "Pass a new path or one a CSVTracker wrote.",
+)
+_FIRST: Final = (
+    "Log every metric in the first call (step and time are reserved), or use "
+    "JSONLTracker."
+)
+_MOVE_IT: Final = "Move it away or pass another path."
 
 
 def _check_clock(owner: str, clock: object) -> Clock:
@@ -116,13 +131,11 @@ class JSONLTracker(_FileTracker):
 
     def _write_metrics(self, values: PlainMetrics, step: int | None) -> None:
         """Append ``{"step": step, "time": now, **values}`` as one line."""
-        for reserved in (*_TIME_KEYS, "config"):
+        for reserved in _RESERVED:
             if reserved in values:
-                msg = (
-                    f"JSONLTracker.log: {reserved!r} is a reserved key of each record; "
-                    f"got values with keys {sorted(values)}; rename that metric."
+                fail_value(
+                    "JSONLTracker.log", "every metric name", reserved, *_NOT_RESERVED
                 )
-                raise ValueError(msg)
         self._write({"step": step, "time": self._clock(), **values})
 
     def _write_config(self, values: dict[str, ConfigValue]) -> None:
@@ -194,12 +207,8 @@ class CSVTracker(_FileTracker):
         if not header:
             return None
         if tuple(header[:2]) != _TIME_KEYS:
-            msg = (
-                f"CSVTracker: {str(self._path)!r} exists with header {header!r}, "
-                "which does not start with 'step', 'time'; pass a new path or one "
-                "a CSVTracker wrote."
-            )
-            raise ValueError(msg)
+            where = f"the header of {str(self._path)!r}"
+            fail_value("CSVTracker", where, header, *_STEP_TIME)
         return tuple(header)
 
     def _write_metrics(self, values: PlainMetrics, step: int | None) -> None:
@@ -213,12 +222,10 @@ class CSVTracker(_FileTracker):
         clash = [key for key in values if key in _TIME_KEYS]
         unknown = [key for key in values if key not in columns]
         if clash or unknown:
-            msg = (
-                f"CSVTracker.log: metric {(clash or unknown)[0]!r} has no column of "
-                f"its own; the columns are {list(columns)}. Log every metric in the "
-                "first call (step and time are reserved), or use JSONLTracker."
+            what = f"a column of its own (the columns are {list(columns)})"
+            fail_value(
+                "CSVTracker.log", "every metric", (clash or unknown)[0], what, _FIRST
             )
-            raise ValueError(msg)
         if self._writer is None:
             self._file = _open_append("CSVTracker", self._path)
             self._writer = csv.DictWriter(self._file, fieldnames=columns)
@@ -246,11 +253,7 @@ class CSVTracker(_FileTracker):
         except ValueError:
             stored = None
         if not isinstance(stored, dict):
-            msg = (
-                f"{owner}: {str(target)!r} exists but does not hold a JSON object; "
-                "move it away or pass another path."
-            )
-            raise ValueError(msg)
+            fail_value(owner, repr(str(target)), text, "a JSON object", _MOVE_IT)
         return stored
 
     def _write_config(self, values: dict[str, ConfigValue]) -> None:

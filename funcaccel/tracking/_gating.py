@@ -27,13 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Mapping
+from typing import Final
 from typing import Protocol
 from typing import runtime_checkable
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import fail_type
-from funcaccel._checks import summary
-from funcaccel._checks import type_name
 from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
 from funcaccel.tracking._values import ConfigValue
@@ -42,6 +41,8 @@ from funcaccel.tracking._values import check_mapping
 from funcaccel.tracking._values import check_step
 
 __all__ = ["Tracker", "finish_trackers", "log_metrics", "store_config"]
+
+_TRACKER: Final = "a Tracker (with name, log, store_init_configuration and finish)"
 
 
 @runtime_checkable
@@ -81,12 +82,7 @@ def _gated(
     chosen: list[Tracker] = []
     for index, tracker in enumerate(list(trackers)):
         if not isinstance(tracker, Tracker):
-            msg = (
-                f"{caller}: trackers[{index}] is {summary(tracker)} ({type_name(tracker)}), "
-                "which lacks the Tracker methods (name, log, store_init_configuration, "
-                "finish)."
-            )
-            raise TypeError(msg)
+            fail_type(caller, f"trackers[{index}]", tracker, _TRACKER)
         main_only = getattr(tracker, "main_process_only", True)
         name = f"the main_process_only of trackers[{index}] ({tracker.name})"
         check_bool(caller, name, main_only)

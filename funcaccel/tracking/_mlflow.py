@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from typing import Final
 
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
@@ -54,15 +55,13 @@ def _tracking_uri(value: object) -> tuple[str, Path | None]:
         return value, None
     text = os.fspath(value)
     if not isinstance(text, str) or not text:
-        msg = (
-            f"MLflowTracker: tracking_uri must name a database file or a URI; got "
-            f"{summary(value)}. Pass a path such as 'runs/mlflow.db'."
-        )
-        raise ValueError(msg)
+        fail_value("MLflowTracker", "tracking_uri", value, *_DATABASE)
     database = Path(os.path.abspath(text))
     return f"sqlite:///{database.as_posix()}", database
 
 
+_DATABASE: Final = ("a database file or a URI", "Pass a path such as 'runs/mlflow.db'.")
+_NOT_DIR: Final = "a database file, not a directory"
 _NAMES_HINT: Final = (
     "MLflow names hold only letters, digits, '_', '-', '.', ' ', ':' and '/'"
 )
@@ -114,11 +113,8 @@ def _prepare_database(database: Path) -> None:
     # MLflow retries a database it cannot open for about two minutes before it
     # raises, so the common mistakes are caught here first.
     if database.is_dir():
-        msg = (
-            f"MLflowTracker: tracking_uri {str(database)!r} is a directory; pass "
-            f"the database file in it, such as {str(database / 'mlflow.db')!r}."
-        )
-        raise ValueError(msg)
+        hint = f"Pass the database file in it, such as {str(database / 'mlflow.db')!r}."
+        fail_value("MLflowTracker", "tracking_uri", str(database), _NOT_DIR, hint)
     try:
         database.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -166,10 +162,8 @@ class MLflowTracker(TrackerBase):
 
     The experiment (created when missing) and a new run are set up on the first
     call. ``log`` writes numbers (and bools, as 0/1) as metrics at ``step``
-    (``step=None`` is step 0, as in MLflow), one request per call of up to 100
-    values. Strings become run tags: a tag holds one value, so a later string
-    under the same key replaces it and its step is not kept (use ``JSONLTracker``
-    for a history of strings).
+    (``step=None`` is step 0, as in MLflow); strings become run tags, which keep
+    only the latest value (use ``JSONLTracker`` for a history of strings).
     ``store_init_configuration`` writes params as strings (``None`` as ``"None"``);
     MLflow keeps a param fixed once stored, so storing a key again with another
     value is a ``ValueError``. Every request waits until MLflow has stored it, so

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
+from typing import Final
 from typing import TypeAlias
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 
@@ -38,17 +40,20 @@ ConfigValue: TypeAlias = bool | str | float | int | None
 The rules: docs/tracking.md#semantics-trackers-and-gating.
 """
 
+_ONE_NUMBER: Final = (
+    "Log a single number, such as tensor.mean(), or one tensor per key."
+)
+_MSG_FINISHED: Final = (
+    "{owner}.{method}: the tracker was finished; build a new {owner} to record more "
+    "(a file tracker appends to its file)."
+)
+
 
 def _scalar_from_tensor(
     caller: str, key: str, value: torch.Tensor
 ) -> bool | int | float:
     if value.numel() != 1:
-        msg = (
-            f"{caller}: value {key!r} is a tensor with {value.numel()} elements "
-            f"(shape {tuple(value.shape)}); log a single number, such as "
-            "tensor.mean() or one tensor per key."
-        )
-        raise ValueError(msg)
+        fail_value(caller, f"value {key!r}", value, "one number", _ONE_NUMBER)
     item = value.item()
     if isinstance(item, complex):
         fail_type(caller, f"value {key!r}", value, "a real number, not a complex one")
@@ -145,8 +150,4 @@ def check_step(caller: str, step: object) -> None:
 
 def check_open(owner: str, method: str, finished: bool) -> None:
     if finished:
-        msg = (
-            f"{owner}.{method}: the tracker was finished; build a new {owner} to "
-            "record more (a file tracker appends to its file)."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_FINISHED.format(owner=owner, method=method))

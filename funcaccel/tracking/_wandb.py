@@ -20,7 +20,8 @@ from typing import Protocol
 from typing import TypeAlias
 
 from funcaccel._checks import check_type
-from funcaccel._checks import summary
+from funcaccel._checks import fail_value
+from funcaccel._checks import make_dirs
 from funcaccel.tracking._base import PlainMetrics
 from funcaccel.tracking._base import TrackerBase
 from funcaccel.tracking._base import check_name
@@ -33,6 +34,11 @@ __all__ = ["WandbTracker"]
 WandbMode: TypeAlias = Literal["online", "offline", "disabled"]
 _MODES: Final[tuple[WandbMode, ...]] = ("online", "offline", "disabled")
 
+_NOT_OWN: Final = "an argument the tracker does not set itself"
+_DROPPED: Final = (
+    "W&B drops such records; log steps in increasing order (equal steps are merged "
+    "into one row)."
+)
 # Arguments of wandb.init the tracker sets itself, with where each comes from.
 _OWN_ARGUMENTS: Final = MappingProxyType(
     {
@@ -86,11 +92,8 @@ def _check_mode(mode: object) -> WandbMode | None:
     for known in _MODES:
         if mode == known:
             return known
-    msg = (
-        f"WandbTracker: mode must be one of {list(_MODES)} or None (W&B's own "
-        f"choice: WANDB_MODE, else online); got {summary(mode)}."
-    )
-    raise ValueError(msg)
+    what = f"one of {list(_MODES)} or None (W&B's own choice: WANDB_MODE, else online)"
+    fail_value("WandbTracker", "mode", mode, what)
 
 
 def _check_init_kwargs(value: object) -> dict[str, object]:
@@ -105,26 +108,10 @@ def _check_init_kwargs(value: object) -> dict[str, object]:
     for key, item in value.items():
         check_type("WandbTracker", "every key of init_kwargs", key, str)
         if key in _OWN_ARGUMENTS:
-            msg = (
-                f"WandbTracker: init_kwargs may not set {key!r}; the tracker sets it "
-                f"from {_OWN_ARGUMENTS[key]}."
-            )
-            raise ValueError(msg)
+            hint = f"The tracker sets {key!r} from {_OWN_ARGUMENTS[key]}."
+            fail_value("WandbTracker", "every key of init_kwargs", key, _NOT_OWN, hint)
         out[key] = item
     return out
-
-
-def _make_dir(directory: Path) -> None:
-    # wandb.init falls back to a temporary directory, with only a printed warning,
-    # when ``dir`` cannot be written; fail here instead, naming the directory.
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        msg = (
-            f"WandbTracker: cannot create {str(directory)!r}: {error}; pass a dir "
-            "this process can create and write."
-        )
-        raise OSError(msg) from error
 
 
 class WandbTracker(TrackerBase):
@@ -221,7 +208,9 @@ class WandbTracker(TrackerBase):
             return self._run
         import wandb
 
-        _make_dir(self._dir)
+        # wandb.init falls back to a temporary directory, with only a printed
+        # warning, when ``dir`` cannot be written; fail here instead, naming it.
+        make_dirs("WandbTracker", "dir", self._dir)
         settings: object = (
             wandb.Settings() if self._mode is None else wandb.Settings(mode=self._mode)
         )
@@ -242,12 +231,8 @@ class WandbTracker(TrackerBase):
         """Write ``values`` to the run's history at ``step``."""
         run = self._ready_run()
         if step is not None and step < self._next_step:
-            msg = (
-                f"WandbTracker.log: step {step} is below the run's current step "
-                f"{self._next_step}, and W&B drops such records; log steps in "
-                "increasing order (equal steps are merged into one row)."
-            )
-            raise ValueError(msg)
+            what = f">= the run's current step {self._next_step}"
+            fail_value("WandbTracker.log", "step", step, what, _DROPPED)
         run.log(values, step=step)
         self._next_step = self._next_step + 1 if step is None else step
 
