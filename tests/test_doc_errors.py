@@ -639,8 +639,8 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "ValueError: build_profiler: nothing was recorded to export to "
     "'.../profile_0.json': the body ended at profiler step 1, before the first "
     "active step of schedule_option={...}; ...": _nothing_recorded,
-    "ValueError: build_profiler: rank 2 in ranks=[2] is out of range for "
-    "num_processes=2; pass ranks in [0, 2).": lambda _: fa.build_profiler(
+    "ValueError: build_profiler: every item of ranks must be in [0, 2) for "
+    "num_processes=2; got 2.": lambda _: fa.build_profiler(
         _world(2), ranks=[2]
     ).__enter__(),
     "ValueError: ProfileKwargs: activity 'cuda' cannot be profiled by this torch "
@@ -671,24 +671,25 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "<...JSONLTracker ...> (JSONLTracker). Wrap a single tracker in a list: [tracker].": lambda t: (
         fa.log_metrics(ONE, fa.JSONLTracker(t / "m.jsonl"), {"loss": 1.0})  # type: ignore[arg-type]
     ),
-    "TypeError: log_metrics: trackers[0] is ... which lacks the Tracker methods "
-    "(name, log, store_init_configuration, finish).": lambda _: fa.log_metrics(
+    "TypeError: log_metrics: trackers[0] must be a Tracker (with name, log, "
+    "store_init_configuration and finish); got ... (object).": lambda _: fa.log_metrics(
         ONE,
         [_bad(object())],
         {"loss": 1.0},
     ),
-    "ValueError: InMemoryTracker.log: value 'x' is a tensor with 3 elements (shape "
-    "(3,)); log a single number, ...": lambda _: fa.InMemoryTracker().log(
-        {"x": torch.ones(3)}
+    "ValueError: InMemoryTracker.log: value 'x' must be one number; got "
+    "tensor(shape=(3,), dtype=torch.float32). Log a single number, ...": lambda _: (
+        fa.InMemoryTracker().log({"x": torch.ones(3)})
     ),
     "TypeError: ...: configuration value 'betas' is (0.9, 0.99) (tuple); store a "
     "bool, str, int, float or None (for example str(betas)).": lambda _: (
         fa.InMemoryTracker().store_init_configuration({"betas": (0.9, 0.99)})
     ),
-    "ValueError: JSONLTracker.log: 'step' is a reserved key of each record; "
-    "...": _reserved_key,
-    "ValueError: CSVTracker.log: metric 'acc' has no column of its own; the columns "
-    "are ['step', 'time', 'loss']. ...": _csv_new_column,
+    "ValueError: JSONLTracker.log: every metric name must be other than 'step', "
+    "'time' and 'config' (each record's own keys); got 'step'. Rename that "
+    "metric.": _reserved_key,
+    "ValueError: CSVTracker.log: every metric must be a column of its own (the "
+    "columns are ['step', 'time', 'loss']); got 'acc'. ...": _csv_new_column,
     "ValueError: JSONLTracker.log: the tracker was finished; ...": _finished,
     "ValueError: MLflowTracker.log: MLflow refused the tracking backend "
     "'file:///.../mlruns' (a file store, which MLflow 3 opens only on request); set "
