@@ -51,9 +51,9 @@ import torch
 import torch.autograd.profiler
 import torch.profiler
 
+from funcaccel._checks import check_index
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
-from funcaccel._checks import fail_value
 from funcaccel._checks import make_dirs
 from funcaccel._checks import summary
 from funcaccel._ctx_checks import check_context
@@ -179,9 +179,8 @@ def _check_ranks(ctx: DistributedContext, ranks: Collection[int]) -> frozenset[i
         fail_type(_OWNER, "ranks", ranks, what)
     for rank in ranks:
         check_type(_OWNER, "every item of ranks", rank, int)
-        if not 0 <= rank < ctx.num_processes:
-            what = f"in [0, {ctx.num_processes}) for num_processes={ctx.num_processes}"
-            fail_value(_OWNER, "every item of ranks", rank, what)
+        n = ctx.num_processes
+        check_index(_OWNER, "every item of ranks", rank, "num_processes", n)
     return frozenset(ranks)
 
 

@@ -639,10 +639,8 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "ValueError: build_profiler: nothing was recorded to export to "
     "'.../profile_0.json': the body ended at profiler step 1, before the first "
     "active step of schedule_option={...}; ...": _nothing_recorded,
-    "ValueError: build_profiler: every item of ranks must be in [0, 2) for "
-    "num_processes=2; got 2.": lambda _: fa.build_profiler(
-        _world(2), ranks=[2]
-    ).__enter__(),
+    "ValueError: build_profiler: every item of ranks (2) must be in [0, "
+    "num_processes=2).": lambda _: fa.build_profiler(_world(2), ranks=[2]).__enter__(),
     "ValueError: ProfileKwargs: activity 'cuda' cannot be profiled by this torch "
     "build on this machine; supported here: 'cpu'.": lambda _: _cpu_only("cuda"),
     "OSError: build_profiler: cannot create output_trace_dir '...': ...": _uncreatable,
