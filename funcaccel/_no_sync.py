@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import fail_value
+from funcaccel._compile import inside_compile
 from funcaccel._dist_types import is_fsdp_module
-from funcaccel.model import inside_compile
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule

@@ -40,11 +40,15 @@ from funcaccel._checks import check_scaler
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
+from funcaccel._compile import inside_compile
 from funcaccel._ctx_checks import check_context
+from funcaccel._deepspeed_step import deepspeed_step
+from funcaccel._deepspeed_step import engine_boundary_ctx
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel._dist_types import is_dtensor
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._no_sync import no_sync_models
+from funcaccel._optimizers_hold import check_optimizers_hold
 from funcaccel._primitives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
@@ -66,10 +70,6 @@ from funcaccel.mixed_precision import clip_grad_norm_
 from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
-from funcaccel.model import check_optimizers_hold
-from funcaccel.model import deepspeed_step
-from funcaccel.model import engine_boundary_ctx
-from funcaccel.model import inside_compile
 
 __all__ = [
     "GradState",
@@ -387,7 +387,7 @@ def _close_window(step: _Step, factor: float) -> bool:
     if step.ctx.num_processes > 1:
         # Once per window: an optimizer built before FSDP2 or tensor parallelism
         # replaced the parameters would step nothing, silently.
-        check_optimizers_hold(step.models, optimizers, _CALLER)
+        check_optimizers_hold(_CALLER, step.models, optimizers)
     if factor != 1.0:
         rescale_grads_(optimizers, factor)
     if step.max_grad_norm is not None:

@@ -30,13 +30,13 @@ from torch.nn.parallel import DistributedDataParallel
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
+from funcaccel._compile import inside_compile
 from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.grad_state import GradState
-from funcaccel.model import inside_compile
 
 __all__ = ["LocalSGDState", "average_parameters_", "local_sgd_step", "should_average"]
 

@@ -20,11 +20,13 @@ tensor-parallel slice ``t=0``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 from typing import Final
 
 import torch.distributed as dist
 
+from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
@@ -46,6 +48,7 @@ __all__ = [
 
 MESH_DIM_NAMES: Final = ("dp_replicate", "dp_shard", "tp")
 """The dimension names of every mesh, outermost first."""
+_REST: Final = "The sizes other than the -1 must multiply to a divisor of it."
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,7 +58,7 @@ class ParallelMesh:
     Build one with ``build_mesh(ctx, ...)`` (which also builds the torch
     ``DeviceMesh`` when a process group exists) or, for any rank without a
     group, with ``ParallelMesh.for_rank``. Two meshes compare equal when their
-    sizes and rank agree, whatever their ``device_mesh``.
+    sizes and rank agree, whatever their ``device_mesh`` (which the repr leaves out).
 
     Args:
         dp_replicate: replicas of the model (>= 1).
@@ -74,19 +77,18 @@ class ParallelMesh:
     dp_shard: int = 1
     tp: int = 1
     rank: int = 0
-    device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
+    device_mesh: DeviceMesh | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         owner = "ParallelMesh"
-        for name in (*MESH_DIM_NAMES, "rank"):
-            check_type(owner, name, getattr(self, name), int)
         for name in MESH_DIM_NAMES:
-            if getattr(self, name) < 1:
-                fail_value(owner, name, getattr(self, name), ">= 1")
+            check_int(owner, name, getattr(self, name), 1)
+        check_type(owner, "rank", self.rank, int)
+        where = f"in [0, {self.world_size}) for a mesh of shape {self.shape}"
         if not 0 <= self.rank < self.world_size:
-            what = f"in [0, {self.world_size}) for a mesh of shape {self.shape}"
-            hint = "Pass this process's global rank."
-            fail_value(owner, "rank", self.rank, what, hint)
+            fail_value(owner, "rank", self.rank, where, "Pass this process's rank.")
 
     @classmethod
     def for_rank(
@@ -164,37 +166,22 @@ class ParallelMesh:
 
 def _resolve(sizes: dict[str, int], world: int) -> dict[str, int]:
     """Fill in a ``-1`` size and check the product (errors name ``build_mesh``)."""
+    caller = "build_mesh"
     for name, value in sizes.items():
-        check_type("build_mesh", name, value, int)
-        if value < 1 and value != -1:
-            fail_value("build_mesh", name, value, ">= 1, or -1 for the rest")
+        if check_type(caller, name, value, int) < 1 and value != -1:
+            fail_value(caller, name, value, ">= 1, or -1 for the rest")
     rest = [name for name, value in sizes.items() if value == -1]
+    known = math.prod(max(value, 1) for value in sizes.values())
     if len(rest) > 1:
-        msg = (
-            f"build_mesh: at most one size may be -1 (the rest); got {sizes}. Give "
-            "all but one of them."
-        )
-        raise ValueError(msg)
-    known = 1
-    for value in sizes.values():
-        known *= max(value, 1)
+        fail_value(caller, "the sizes", sizes, "-1 (the rest) in one place at most")
+    if rest and world % known:
+        fail_value(caller, "the world size", world, f"a multiple of {known}", _REST)
     if rest:
-        if world % known:
-            msg = (
-                f"build_mesh: the world size ({world}) is not a multiple of "
-                f"{known}, the product of {sizes} without {rest[0]}=-1; use sizes "
-                f"whose product divides {world}."
-            )
-            raise ValueError(msg)
         sizes = {**sizes, rest[0]: world // known}
-    product = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
+    product, dims = math.prod(sizes.values()), "dp_replicate * dp_shard * tp"
+    hint = f"Change the sizes {sizes} (product {product}), or leave one of them -1."
     if product != world:
-        msg = (
-            f"build_mesh: dp_replicate * dp_shard * tp must equal the world size "
-            f"({world}); got {sizes} (product {product}). Change the sizes, or "
-            "leave one of them -1 for the rest."
-        )
-        raise ValueError(msg)
+        fail_value(caller, dims, product, f"the world size ({world})", hint)
     return sizes
 
 
@@ -253,7 +240,7 @@ def build_mesh(
     return ParallelMesh(**sizes, rank=ctx.process_index, device_mesh=device_mesh)
 
 
-def check_mesh(ctx: DistributedContext, mesh: object, caller: str) -> ParallelMesh:
+def check_mesh(caller: str, ctx: DistributedContext, mesh: object) -> ParallelMesh:
     """Return ``mesh`` after checking it is a ``ParallelMesh`` of ``ctx``'s world and rank.
 
     Raises:
@@ -262,14 +249,10 @@ def check_mesh(ctx: DistributedContext, mesh: object, caller: str) -> ParallelMe
     """
     what = "a ParallelMesh (from build_mesh) or None"
     mesh = check_type(caller, "mesh", mesh, ParallelMesh, what=what)
+    ours = f"for rank {ctx.process_index} of {ctx.num_processes} (ctx's)"
+    hint = "Build it with build_mesh(ctx, ...) from this context."
     if (mesh.world_size, mesh.rank) != (ctx.num_processes, ctx.process_index):
-        msg = (
-            f"{caller}: mesh of shape {mesh.shape} is for rank {mesh.rank} of "
-            f"{mesh.world_size}, but ctx is rank {ctx.process_index} of "
-            f"{ctx.num_processes}; build the mesh with build_mesh(ctx, ...) from this "
-            "context."
-        )
-        raise ValueError(msg)
+        fail_value(caller, "mesh", mesh, ours, hint)
     return mesh
 
 

@@ -26,11 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._compile import inside_compile
 from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._no_sync import no_sync_models
 from funcaccel.context import DistributedContext
-from funcaccel.model import inside_compile
 
 __all__ = ["no_sync", "sync_in_backward"]
 

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
 from funcaccel import _primitives
+from funcaccel._deepspeed_step import deepspeed_step
 from funcaccel._guard import guard_collective
 from funcaccel._primitives import all_reduce_ints
 from funcaccel._primitives import exchange_codes
@@ -41,7 +42,6 @@ from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.collectives import any_process
 from funcaccel.context import DistributedContext
-from funcaccel.model import deepspeed_step
 from tests._dist import run_ranks
 from tests.test_deepspeed_step import K as ENGINE_K
 from tests.test_deepspeed_step import _Engine

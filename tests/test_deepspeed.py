@@ -279,7 +279,7 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
         assert rank["steps2"] == rank["steps3"] == 3
         assert rank["local2"] == 58 and rank["local3"] == 0  # ZeRO-3 partitioned them
         for stage in (2, 3):
-            assert "pass max_grad_norm=1.0 to accumulate_step" in rank[f"clip{stage}"]
+            assert "Pass max_grad_norm=1.0 to accumulate_step" in rank[f"clip{stage}"]
             for key, value in rank[f"zero{stage}"].items():
                 assert torch.equal(rank[f"resumed{stage}"][key], value), (stage, key)
             assert rank[f"resumed_steps{stage}"] == 3
@@ -320,10 +320,7 @@ def test_config_conflict_names_both_values() -> None:
         match=r"gradient_accumulation_steps=4, but GradState.accumulation_steps is 2",
     ):
         merged_config(
-            rank_ctx(2, 0),
-            options,
-            GradState(accumulation_steps=2),
-            caller="wrap_model",
+            "wrap_model", rank_ctx(2, 0), options, GradState(accumulation_steps=2)
         )
 
 
@@ -332,7 +329,7 @@ def test_precision_conflict_names_both_values() -> None:
     with pytest.raises(
         ValueError, match=r"bf16.enabled=True, but ctx.mixed_precision is 'no'"
     ):
-        merged_config(rank_ctx(2, 0), options, GradState(), caller="wrap_model")
+        merged_config("wrap_model", rank_ctx(2, 0), options, GradState())
 
 
 def test_options_field_disagreeing_with_config_is_refused(tmp_path: Path) -> None:

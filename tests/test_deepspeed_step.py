@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from funcaccel import GradState
+from funcaccel._deepspeed_step import deepspeed_step
 from funcaccel.context import DistributedContext
-from funcaccel.model import deepspeed_step
 
 K = 3
 
@@ -115,8 +115,8 @@ def test_max_grad_norm_other_than_the_configs_clipping_is_refused() -> None:
     engine = _Engine(1.0, False, clipping=1.0)
     with pytest.raises(
         ValueError,
-        match=r"^accumulate_step: the engine's config clips to gradient_clipping=1\.0, "
-        r"but max_grad_norm is 0\.5",
+        match=r"^accumulate_step: max_grad_norm must be None or the engine config's "
+        r"gradient_clipping \(1\.0\); got 0\.5\.$",
     ):
         _run(engine, 1, max_grad_norm=0.5)
     assert engine.boundaries == []  # refused before the forward

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 import funcaccel as fa
 from funcaccel import _guard
 from funcaccel import accumulate as _accumulate
+from funcaccel._optimizers_hold import check_optimizers_hold
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.checkpoint import _agree
@@ -44,7 +45,6 @@ from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.kwargs import _profile
 from funcaccel.loader import _dispatch
 from funcaccel.model import FSDPOptions
-from funcaccel.model import check_optimizers_hold
 from funcaccel.model import wrap_model
 from funcaccel.scheduler import maybe_step_scheduler
 
@@ -127,7 +127,7 @@ def _stale_fsdp_optimizer(tmp_path: Path) -> None:
         net = nn.Linear(2, 2)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
         fully_shard(net)
-        check_optimizers_hold([net], [optimizer], "accumulate_step")
+        check_optimizers_hold("accumulate_step", [net], [optimizer])
     finally:
         dist.destroy_process_group()
 
@@ -382,8 +382,9 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "model's gradients averaged over the ranks, but model 0 is a plain Sequential; "
     "...": _plain_model_on_two_ranks,
     # model.md
-    "ValueError: wrap_model: comm_hook='bf16' needs a CUDA (NCCL) or XPU (XCCL) "
-    "device, but ctx.device is cpu (backend 'gloo'), ...": lambda _: wrap_model(
+    "ValueError: wrap_model: ddp_kwargs.comm_hook must be 'fp16' or 'no' on cpu "
+    "(backend 'gloo'), which cannot all-reduce bfloat16; got 'bf16'. 'bf16' needs a "
+    "CUDA (NCCL) or XPU (XCCL) device.": lambda _: wrap_model(
         _world(2, "gloo"),
         nn.Linear(1, 1),
         DistributedDataParallelKwargs(comm_hook="bf16"),
@@ -398,12 +399,13 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     ),
     "ValueError: accumulate_step: optimizer holds none of the model's parameters: "
     "...": _stale_fsdp_optimizer,
-    "ValueError: wrap_model: FSDPOptions.reshard_after_forward=3 must divide the "
-    "world size (4); ...": lambda _: wrap_model(
+    "ValueError: wrap_model: FSDPOptions.reshard_after_forward must be a divisor of "
+    "the world size (4); got 3. ...": lambda _: wrap_model(
         _world(4), nn.Linear(1, 1), fsdp=FSDPOptions(reshard_after_forward=3)
     ),
-    "TypeError: FSDPOptions: shard_modules must hold nn.Module subclasses; got "
-    "Linear(...). Pass the class (e.g. nn.Linear), not an instance.": lambda _: (
+    "TypeError: FSDPOptions: every item of shard_modules must be an nn.Module "
+    "subclass; got Linear(...) (Linear). Pass the class (e.g. nn.Linear), not an "
+    "instance.": lambda _: (
         FSDPOptions(shard_modules=[nn.Linear(1, 1)])  # type: ignore[list-item]
     ),
     "TypeError: wrap_model: model must be a torch.nn.Module; got <generator "

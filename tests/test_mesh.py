@@ -96,12 +96,12 @@ def test_dp_view_counts_data_parallel_ranks_only() -> None:
 def test_build_mesh_refuses_sizes_that_do_not_make_the_world() -> None:
     ctx = rank_ctx(4, 0)
     with pytest.raises(
-        ValueError, match=r"product 6.*world size \(4\)|world size \(4\).*product 6"
+        ValueError, match=r"must be the world size \(4\); got 6\. .*\(product 6\)"
     ):
         build_mesh(ctx, dp_replicate=3, dp_shard=1, tp=2)
-    with pytest.raises(ValueError, match=r"not a multiple of 3"):
+    with pytest.raises(ValueError, match=r"world size must be a multiple of 3; got 4"):
         build_mesh(ctx, tp=3)
-    with pytest.raises(ValueError, match=r"at most one size may be -1"):
+    with pytest.raises(ValueError, match=r"sizes must be -1 \(the rest\) in one place"):
         build_mesh(ctx, dp_replicate=-1, tp=-1)
     with pytest.raises(ValueError, match=r"tp must be >= 1, or -1 .*got 0"):
         build_mesh(ctx, tp=0)
@@ -114,7 +114,7 @@ def test_build_mesh_refuses_sizes_that_do_not_make_the_world() -> None:
 def test_parallel_mesh_checks_its_fields() -> None:
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\) .*; got 4\. Pass"):
         ParallelMesh.for_rank(4, dp_shard=2, tp=2)
-    with pytest.raises(ValueError, match=r"dp_shard must be >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"ParallelMesh: dp_shard \(0\) must be >= 1"):
         ParallelMesh(dp_shard=0)
     with pytest.raises(TypeError, match=r"rank must be an int"):
         ParallelMesh(rank=True)
@@ -125,14 +125,15 @@ def test_parallel_mesh_checks_its_fields() -> None:
 
 def test_check_mesh_refuses_a_mesh_of_another_rank_or_world() -> None:
     mesh = ParallelMesh.for_rank(1, tp=2)
-    assert check_mesh(rank_ctx(2, 1), mesh, "f") is mesh
+    assert check_mesh("f", rank_ctx(2, 1), mesh) is mesh
     with pytest.raises(
         ValueError,
-        match=r"f: mesh of shape \(1, 1, 2\) is for rank 1 of 2, but ctx is rank 0 of 2",
+        match=r"^f: mesh must be for rank 0 of 2 \(ctx's\); got ParallelMesh\("
+        r"dp_replicate=1, dp_shard=1, tp=2, rank=1\)\. Build it with build_mesh",
     ):
-        check_mesh(rank_ctx(2, 0), mesh, "f")
+        check_mesh("f", rank_ctx(2, 0), mesh)
     with pytest.raises(TypeError, match=r"f: mesh must be a ParallelMesh"):
-        check_mesh(rank_ctx(2, 0), (1, 1, 2), "f")
+        check_mesh("f", rank_ctx(2, 0), (1, 1, 2))
 
 
 def _batches(loader: Any, state: LoaderState | None = None) -> list[list[int]]:
@@ -181,7 +182,7 @@ def test_shard_loader_on_a_mesh_shards_over_data_parallel_ranks_only(
 def test_shard_loader_refuses_a_mesh_of_another_rank() -> None:
     mesh = ParallelMesh.for_rank(1, tp=2)
     with pytest.raises(
-        ValueError, match=r"shard_loader: mesh of shape \(1, 1, 2\) is for rank 1"
+        ValueError, match=r"shard_loader: mesh must be for rank 0 of 2 .*rank=1\)"
     ):
         shard_loader(rank_ctx(2, 0), DataLoader(Indexed(4), batch_size=2), mesh=mesh)
 
@@ -429,9 +430,11 @@ def test_wrap_model_refuses_what_a_mesh_cannot_build() -> None:
         match=r"tp_plan must be None without a mesh \(tp_plan needs a mesh with tp > 1\)",
     ):
         wrap_model(ctx, _mlp(), tp_plan=plan)
-    with pytest.raises(ValueError, match=r"mesh has tp=2, so tp_plan must map"):
+    with pytest.raises(
+        ValueError, match=r"tp_plan must be a mapping .*\(the mesh has tp=2\)"
+    ):
         wrap_model(ctx, _mlp(), mesh=tp)
-    with pytest.raises(ValueError, match=r"tp_plan was given but the mesh has tp=1"):
+    with pytest.raises(ValueError, match=r"tp_plan must be None on a mesh with tp=1"):
         wrap_model(
             ctx,
             _mlp(),
@@ -440,22 +443,26 @@ def test_wrap_model_refuses_what_a_mesh_cannot_build() -> None:
             tp_plan=plan,
         )
     with pytest.raises(
-        ValueError, match=r"tp_plan names 'middle', which is not a submodule"
+        ValueError,
+        match=r"every tp_plan key must be a submodule's name .*; got 'middle'",
     ):
         wrap_model(ctx, _mlp(), mesh=tp, tp_plan={"middle": ColwiseParallel()})
     with pytest.raises(
         TypeError, match=r"tp_plan\['up'\] must be a torch.*ParallelStyle"
     ):
         wrap_model(ctx, _mlp(), mesh=tp, tp_plan={"up": "colwise"})
-    with pytest.raises(ValueError, match=r"dp_shard=2 .* but fsdp=None"):
+    with pytest.raises(
+        ValueError,
+        match=r"fsdp must be an FSDPOptions on a mesh with dp_shard > 1 \(shape \(1, 2, 1\)\); got None",
+    ):
         wrap_model(ctx, _mlp(), mesh=ParallelMesh.for_rank(0, dp_shard=2))
     with pytest.raises(
-        ValueError, match=r"one data-parallel rank, so there is nothing to shard"
+        ValueError, match=r"fsdp must be None on a mesh with one data-parallel rank"
     ):
         wrap_model(ctx, _mlp(), mesh=tp, tp_plan=plan, fsdp=FSDPOptions())
     with pytest.raises(
         ValueError,
-        match=r"reshard_after_forward=3 must divide the mesh's dp_shard \(2\)",
+        match=r"reshard_after_forward must be a divisor of the mesh's dp_shard \(2\); got 3",
     ):
         wrap_model(
             rank_ctx(4, 0),
@@ -466,7 +473,7 @@ def test_wrap_model_refuses_what_a_mesh_cannot_build() -> None:
         )
     with pytest.raises(
         ValueError,
-        match=r"mesh of shape \(1, 1, 2\) is for rank 0 of 2, but ctx is rank 1",
+        match=r"mesh must be for rank 1 of 2 \(ctx's\); got ParallelMesh\(.*rank=0\)",
     ):
         wrap_model(rank_ctx(2, 1), _mlp(), mesh=tp, tp_plan=plan)
     with pytest.raises(

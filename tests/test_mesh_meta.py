@@ -217,8 +217,8 @@ def test_wrap_model_refuses_a_meta_model_it_cannot_initialise() -> None:
         net = nn.Sequential(nn.Linear(2, 2), _Bare())
     with pytest.raises(
         ValueError,
-        match=r"wrap_model: the model is on the meta device, and its module '1' "
-        r"\(_Bare\) holds meta tensors but has no reset_parameters\(\); pass init_fn=",
+        match=r"^wrap_model: init_fn must be given: the model is on meta, and its module "
+        r"'1' \(_Bare\) has no reset_parameters\(\); got None\. Pass init_fn=",
     ):
         wrap_model(rank_ctx(1, 0), net)
     assert net[0].weight.is_meta  # nothing changed

@@ -528,17 +528,18 @@ def test_wrap_model_one_process_returns_the_module_on_the_device() -> None:
     [
         (
             DistributedDataParallelKwargs(comm_hook="bf16"),
-            r"wrap_model: comm_hook='bf16' needs a CUDA",
+            r"^wrap_model: ddp_kwargs.comm_hook must be 'fp16' or 'no' on cpu \(backend "
+            r"'gloo'\), which cannot all-reduce bfloat16; got 'bf16'\. 'bf16' needs a CUDA",
         ),
         (
             DistributedDataParallelKwargs(
                 comm_hook=DDPCommunicationHookType.BF16,
             ),
-            r"ctx.device is cpu \(backend 'gloo'\)",
+            r"ddp_kwargs.comm_hook must be 'fp16' or 'no' on cpu \(backend 'gloo'\)",
         ),
         (
             DistributedDataParallelKwargs(comm_hook="power_sgd", comm_wrapper="bf16"),
-            r"wrap_model: comm_wrapper='bf16' needs a CUDA .* use comm_wrapper='fp16'",
+            r"wrap_model: ddp_kwargs.comm_wrapper must be 'fp16' or 'no' on cpu .*'bf16'",
         ),
     ],
 )
@@ -582,7 +583,8 @@ def test_wrap_model_needs_a_process_group_with_several_processes() -> None:
 def test_wrap_model_checks_reshard_after_forward_against_the_world() -> None:
     with pytest.raises(
         ValueError,
-        match=r"wrap_model: FSDPOptions.reshard_after_forward=3 must divide the world size \(2\)",
+        match=r"wrap_model: FSDPOptions.reshard_after_forward must be a divisor of the "
+        r"world size \(2\); got 3\. Use a divisor of 2, or True/False\.",
     ):
         wrap_model(CPU2, _make_net(), fsdp=FSDPOptions(reshard_after_forward=3))
 
@@ -660,7 +662,8 @@ def test_wrap_model_refuses_an_already_wrapped_module(compiled: bool) -> None:
         (
             {"shard_modules": (nn.Linear(1, 1),)},
             TypeError,
-            r"FSDPOptions: shard_modules must hold nn.Module subclasses; got Linear\(in_features=1",
+            r"FSDPOptions: every item of shard_modules must be an nn.Module subclass; "
+            r"got Linear\(in_features=1.*Pass the class",
         ),
         ({"shard_modules": (int,)}, TypeError, r"got <class 'int'>"),
         (
@@ -671,7 +674,7 @@ def test_wrap_model_refuses_an_already_wrapped_module(compiled: bool) -> None:
         (
             {"reshard_after_forward": 0},
             ValueError,
-            r"FSDPOptions: reshard_after_forward as an int .* must be >= 1; got 0",
+            r"FSDPOptions: reshard_after_forward must be an int >= 1 .*; got 0\.",
         ),
         (
             {"mp_policy": {"param_dtype": torch.bfloat16}},

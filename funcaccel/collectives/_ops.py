@@ -438,7 +438,7 @@ def gather_for_metrics(
     keep: range | None = None
     data_ranks = ctx.num_processes
     if mesh is not None:
-        check_mesh(ctx, mesh, caller)
+        check_mesh(caller, ctx, mesh)
         data_ranks = mesh.dp_size
         if mesh.tp > 1:  # tp rank 0 of each group: ranks 0, tp, 2 * tp, ...
             keep = range(0, ctx.num_processes, mesh.tp)

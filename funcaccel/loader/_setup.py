@@ -273,7 +273,7 @@ def _plan(
         "non_blocking": non_blocking,
     }
     _check_types(ctx, dataloader, flags, dispatch_batches, seed, slice_fn)
-    view = ctx if mesh is None else check_mesh(ctx, mesh, _WHERE).dp_view(ctx)
+    view = ctx if mesh is None else check_mesh(_WHERE, ctx, mesh).dp_view(ctx)
     rngs = _check_rng_types(rng_types, ctx)
     _check_no_generator(dataloader)
     iterable = isinstance(dataloader.dataset, IterableDataset)

@@ -231,7 +231,7 @@ def _conflict(
 
 
 def merged_config(
-    ctx: DistributedContext, options: DeepSpeedOptions, grad: GradState, *, caller: str
+    caller: str, ctx: DistributedContext, options: DeepSpeedOptions, grad: GradState
 ) -> dict[str, Any]:
     """Return the DeepSpeed config of ``options`` merged with ``ctx`` and ``grad``.
 
@@ -248,13 +248,13 @@ def merged_config(
             the rest of the config.
 
     >>> from funcaccel.context import DistributedContext
-    >>> cfg = merged_config(DistributedContext(), DeepSpeedOptions(zero_stage=3),
-    ...                     GradState(accumulation_steps=2), caller="f")
+    >>> cfg = merged_config("f", DistributedContext(), DeepSpeedOptions(zero_stage=3),
+    ...                     GradState(accumulation_steps=2))
     >>> cfg["gradient_accumulation_steps"], cfg["zero_optimization"]["stage"]
     (2, 3)
-    >>> merged_config(DistributedContext(),
+    >>> merged_config("f", DistributedContext(),
     ...               DeepSpeedOptions(config={"gradient_accumulation_steps": 4}),
-    ...               GradState(accumulation_steps=2), caller="f")
+    ...               GradState(accumulation_steps=2))
     Traceback (most recent call last):
     ...
     ValueError: f: the DeepSpeed config sets gradient_accumulation_steps=4, but GradState.accumulation_steps is 2; funcaccel never chooses between them silently: remove gradient_accumulation_steps from the config or change GradState.accumulation_steps.

@@ -1,7 +1,8 @@
-"""FSDP2 options and sharding for ``wrap_model`` (``torch.distributed.fsdp.fully_shard``).
+"""``wrap_fsdp``: FSDP2 options and sharding (``torch.distributed.fsdp.fully_shard``).
 
-Kept apart from ``model.py`` so that the DDP and FSDP paths each read at once. The
-public names are re-exported by ``funcaccel.model``.
+``wrap_fsdp`` is the FSDP2 strategy of ``wrap_model``; ``check_fsdp`` and
+``fsdp_`` are its two halves (refuse before anything changes; shard), so that
+``wrap_model`` can give a ``meta`` model storage between them.
 
 >>> import torch
 >>> FSDPOptions(shard_modules=[torch.nn.Linear]).shard_modules
@@ -11,19 +12,25 @@ public names are re-exported by ``funcaccel.model``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from typing import Final
 
 import torch
 from torch import nn
 
-from funcaccel._checks import summary
-from funcaccel._dist_types import is_dtensor
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel._dist_types import is_instance_if_loaded
 from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
 from funcaccel.model._fsdp_gloo import install_gloo_reduce_scatter
+from funcaccel.model._meta import place_
+from funcaccel.model._rebind import as_optimizers
+from funcaccel.model._rebind import rebind_by_name_
+from funcaccel.model._wrappers import check_unwrapped
 
 if TYPE_CHECKING:
     # Imported for real only when sharding: the package takes seconds to import.
@@ -32,10 +39,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FSDPOptions",
+    "check_fsdp",
     "check_fsdp_options",
-    "check_optimizers_hold",
+    "fsdp_",
     "shard_model",
+    "wrap_fsdp",
 ]
+
+FSDP_OR_NONE: Final = "an FSDPOptions or None"  # "an eff", not a_or_an's "a"
+_CLASSES: Final = "a sequence of nn.Module classes"
+_BLOCK_EXAMPLE: Final = "Use e.g. shard_modules=(TransformerBlock,)."
+_CLASS: Final = "an nn.Module subclass"
+_NOT_AN_INSTANCE: Final = "Pass the class (e.g. nn.Linear), not an instance."
+_RESHARD: Final = "a bool, an int or None"
+_POLICY_TYPE: Final = ("torch.distributed.fsdp", "MixedPrecisionPolicy")
+_POLICY: Final = "a torch.distributed.fsdp.MixedPrecisionPolicy or None"
+_POLICY_EXAMPLE: Final = "Use e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+_RESHARD_RANKS: Final = (
+    "an int >= 1 (the number of ranks to reshard to), a bool or None"
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,50 +90,28 @@ class FSDPOptions:
     mp_policy: MixedPrecisionPolicy | None = None
 
     def __post_init__(self) -> None:
-        owner = "FSDPOptions"
-        classes = self.shard_modules
+        owner, classes = "FSDPOptions", self.shard_modules
         if isinstance(classes, (str, bytes)) or not isinstance(classes, Sequence):
-            msg = (
-                f"{owner}: shard_modules must be a sequence of nn.Module classes; got "
-                f"{summary(classes)}. Use e.g. shard_modules=(TransformerBlock,)."
-            )
-            raise TypeError(msg)
+            fail_type(owner, "shard_modules", classes, _CLASSES, _BLOCK_EXAMPLE)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                msg = (
-                    f"{owner}: shard_modules must hold nn.Module subclasses; got "
-                    f"{summary(cls)}. Pass the class (e.g. nn.Linear), not an instance."
+                fail_type(
+                    owner, "every item of shard_modules", cls, _CLASS, _NOT_AN_INSTANCE
                 )
-                raise TypeError(msg)
         object.__setattr__(self, "shard_modules", tuple(classes))
-        reshard = self.reshard_after_forward
-        if reshard is not None and not isinstance(reshard, (bool, int)):
-            msg = (
-                f"{owner}: reshard_after_forward must be a bool, an int or None; got "
-                f"{summary(reshard)} ({type(reshard).__name__})."
-            )
-            raise TypeError(msg)
-        if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
-            msg = (
-                f"{owner}: reshard_after_forward as an int is the number of ranks to "
-                f"reshard to and must be >= 1; got {reshard}."
-            )
-            raise ValueError(msg)
-        if self.mp_policy is not None and not is_instance_if_loaded(
-            self.mp_policy, "torch.distributed.fsdp", "MixedPrecisionPolicy"
-        ):
-            msg = (
-                f"{owner}: mp_policy must be a torch.distributed.fsdp."
-                f"MixedPrecisionPolicy or None; got {summary(self.mp_policy)}. Use e.g. "
-                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
-            )
-            raise TypeError(msg)
+        reshard, name = self.reshard_after_forward, "reshard_after_forward"
+        check_type(owner, name, reshard, (bool, int), what=_RESHARD, optional=True)
+        if type(reshard) is int and reshard < 1:
+            fail_value(owner, name, reshard, _RESHARD_RANKS)
+        policy = self.mp_policy
+        if policy is not None and not is_instance_if_loaded(policy, *_POLICY_TYPE):
+            fail_type(owner, "mp_policy", policy, _POLICY, _POLICY_EXAMPLE)
 
 
 def check_fsdp_options(
+    caller: str,
     ctx: DistributedContext,
     options: FSDPOptions,
-    caller: str,
     shard_size: int | None = None,
 ) -> None:
     """Check that ``options`` fit shards over ``shard_size`` ranks (default: the world).
@@ -124,23 +124,20 @@ def check_fsdp_options(
     >>> ctx = DistributedContext(
     ...     num_processes=4, distributed_type=DistributedType.MULTI_CPU
     ... )
-    >>> check_fsdp_options(ctx, FSDPOptions(reshard_after_forward=2), "wrap_model")
-    >>> check_fsdp_options(ctx, FSDPOptions(reshard_after_forward=3), "wrap_model")
+    >>> check_fsdp_options("wrap_model", ctx, FSDPOptions(reshard_after_forward=2))
+    >>> check_fsdp_options("wrap_model", ctx, FSDPOptions(reshard_after_forward=3))
     Traceback (most recent call last):
     ...
-    ValueError: wrap_model: FSDPOptions.reshard_after_forward=3 must divide ...
+    ValueError: wrap_model: FSDPOptions.reshard_after_forward must be a divisor of ...
     """
     reshard = options.reshard_after_forward
-    if isinstance(reshard, bool) or reshard is None:
-        return
     world = ctx.num_processes if shard_size is None else shard_size
-    what = "the world size" if shard_size is None else "the mesh's dp_shard"
-    if reshard > world or world % reshard != 0:
-        msg = (
-            f"{caller}: FSDPOptions.reshard_after_forward={reshard} must divide "
-            f"{what} ({world}); use a divisor of {world}, or True/False."
+    where = "the world size" if shard_size is None else "the mesh's dp_shard"
+    name, what = "FSDPOptions.reshard_after_forward", f"a divisor of {where} ({world})"
+    if type(reshard) is int and world % reshard != 0:
+        fail_value(
+            caller, name, reshard, what, f"Use a divisor of {world}, or True/False."
         )
-        raise ValueError(msg)
 
 
 def shard_model(
@@ -197,121 +194,83 @@ def shard_model(
     return model
 
 
-def rebind_by_name_(
-    optimizers: Sequence[torch.optim.Optimizer],
-    before: Mapping[str, nn.Parameter],
-    model: nn.Module,
-) -> int:
-    """Point ``optimizers`` at ``model``'s parameters that replaced, under the same
-    names, those in ``before`` (``dict(model.named_parameters(remove_duplicate=False))``
-    taken before sharding or materialising); see ``rebind_optimizers_``."""
-    after = dict(model.named_parameters(remove_duplicate=False))
-    replaced = {
-        id(old): after[name]
-        for name, old in before.items()
-        if name in after and after[name] is not old
-    }
-    return rebind_optimizers_(optimizers, replaced)
-
-
-def rebind_optimizers_(
-    optimizers: Sequence[torch.optim.Optimizer],
-    replaced: Mapping[int, nn.Parameter],
-) -> int:
-    """Point ``optimizers`` in place at the parameters that replaced their own.
-
-    ``replaced`` maps ``id(old parameter)`` to the parameter that took its place.
-    Each param group keeps its order and hyperparameters; a replaced parameter's
-    optimizer state moves to the new one, and a state tensor of the old
-    parameter's shape (a momentum, Adam's moments) is sharded as the new
-    parameter is (each rank keeps its own rows, as ``fully_shard`` does with the
-    parameter itself); other state (``step``) is kept as it is.
-
-    Returns:
-        How many parameter entries were replaced.
-    """
-    count = 0
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            params: list[torch.Tensor] = []
-            for old in group["params"]:
-                new = replaced.get(id(old))
-                if new is None:
-                    params.append(old)
-                    continue
-                state = optimizer.state.pop(old, None)
-                if state:
-                    optimizer.state[new] = {
-                        key: _sharded_like(value, old, new)
-                        for key, value in state.items()
-                    }
-                params.append(new)
-                count += 1
-            group["params"] = params
-    return count
-
-
-def _sharded_like(value: object, old: torch.Tensor, new: torch.Tensor) -> object:
-    if not (
-        isinstance(value, torch.Tensor)
-        and not is_dtensor(value)
-        and is_dtensor(new)
-        and value.dim() > 0
-        and value.shape == old.shape
-    ):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    # src_data_rank=None: every rank slices its own copy, as fully_shard does with
-    # the parameter, so no rank's state is overwritten by another's.
-    return distribute_tensor(
-        value.to(new.device_mesh.device_type),
-        new.device_mesh,
-        new.placements,
-        src_data_rank=None,
-    )
-
-
-def check_optimizers_hold(
-    models: Sequence[nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-    caller: str,
-) -> None:
-    """Raise unless every optimizer holds a parameter of one of ``models``.
-
-    Only FSDP2 and tensor parallelism replace parameters (with ``DTensor`` ones),
-    so nothing is checked when no model is FSDP2 and none holds a ``DTensor``. In the usual case the first parameter of each optimizer
-    is among the first parameters of the model, and the check stops there.
+def check_fsdp(caller: str, ctx: DistributedContext, fsdp: FSDPOptions) -> None:
+    """Refuse, before anything changes, FSDP2 options that do not fit ``ctx``'s world.
 
     Raises:
-        ValueError: an optimizer that holds none of the models' parameters (it was
-            built before ``wrap_model`` sharded them).
+        ValueError: see ``check_fsdp_options``.
+        RuntimeError: several processes without a matching default group.
     """
-    if not any(
-        is_fsdp_module(model) or any(is_dtensor(p) for p in model.parameters())
-        for model in models
-    ):
-        return
-    for index, optimizer in enumerate(optimizers):
-        groups = optimizer.param_groups
-        first = next((g["params"][0] for g in groups if g["params"]), None)
-        if first is None or _holds(models, first):
-            continue
-        owned = {id(p) for model in models for p in model.parameters()}
-        if any(id(p) in owned for group in groups for p in group["params"]):
-            continue
-        name = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
-        msg = (
-            f"{caller}: {name} holds none of the model's parameters: "
-            "wrap_model(..., fsdp=FSDPOptions(...)) or a tp_plan replaced them with "
-            "sharded "
-            "parameters, so an optimizer built before it would never change the "
-            "model. Pass it to wrap_model(ctx, model, fsdp=..., optimizers="
-            "optimizer), which re-points it at the new parameters, or build the "
-            "optimizer after wrap_model from model.parameters()."
-        )
-        raise ValueError(msg)
+    if ctx.num_processes > 1:
+        check_fsdp_options(caller, ctx, fsdp)
+        require_process_group(ctx, caller)
 
 
-def _holds(models: Sequence[nn.Module], param: torch.Tensor) -> bool:
-    return any(p is param for model in models for p in model.parameters())
+def fsdp_(
+    ctx: DistributedContext,
+    fsdp: FSDPOptions,
+    optimizers: Sequence[torch.optim.Optimizer],
+    model: nn.Module,
+) -> nn.Module:
+    """Shard ``model`` in place when there is something to shard (see ``wrap_fsdp``).
+
+    ``model`` comes last, so that ``wrap_model`` can bind the rest beforehand.
+    """
+    if ctx.num_processes == 1 or not any(p.requires_grad for p in model.parameters()):
+        return model
+    return shard_model(ctx, model, fsdp, optimizers)
+
+
+def wrap_fsdp(
+    ctx: DistributedContext,
+    model: nn.Module,
+    fsdp: FSDPOptions | None = None,
+    *,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+) -> nn.Module:
+    """Move ``model`` to ``ctx.device`` and shard it in place with FSDP2; return it.
+
+    With several processes and a parameter that requires grad, ``fully_shard``
+    is applied to each submodule of a class in ``fsdp.shard_modules``
+    (innermost first), then to ``model``, over a one-dimensional mesh of the
+    whole world; ``model`` is then its own root (an ``FSDPModule``). Otherwise
+    ``model`` is returned unsharded. FSDP2 replaces every parameter, so each of
+    ``optimizers`` (built before, on the old parameters) is re-pointed in place
+    at the new ones, its state sharded with them. A model built on the ``meta``
+    device is sharded as it is: give this rank's shards storage afterwards with
+    ``materialize_meta``. ``wrap_model(ctx, model, fsdp=...)`` does the same and
+    materialises for you; use this for FSDP2 alone.
+
+    With 2 processes and ``net = nn.Linear(4, 2)``, ``wrap_fsdp(ctx, net)`` keeps
+    row 0 of the weight on rank 0 and row 1 on rank 1.
+
+    Args:
+        ctx: the distributed context.
+        model: the user's module, not wrapped yet; changed in place.
+        fsdp: the FSDP2 options; ``None`` for ``FSDPOptions()``.
+        optimizers: optimizers already built on ``model``'s parameters.
+
+    Returns:
+        ``model`` itself, sharded when there are several processes.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``model`` already wrapped; ``reshard_after_forward`` that
+            does not divide the world size.
+        RuntimeError: several processes without a matching default group.
+
+    >>> from funcaccel.context import DistributedContext
+    >>> net = nn.Linear(4, 2)
+    >>> wrap_fsdp(DistributedContext(), net) is net  # one process: nothing to shard
+    True
+    """
+    caller = "wrap_fsdp"
+    model = check_unwrapped(caller, ctx, model)
+    fsdp = check_type(
+        caller, "fsdp", fsdp, FSDPOptions, what=FSDP_OR_NONE, optional=True
+    )
+    opts = as_optimizers(caller, optimizers)
+    fsdp = FSDPOptions() if fsdp is None else fsdp
+    check_fsdp(caller, ctx, fsdp)
+    place_(model, ctx.device)
+    return fsdp_(ctx, fsdp, opts, model)

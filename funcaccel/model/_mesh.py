@@ -1,4 +1,4 @@
-"""``wrap_model`` on a ``ParallelMesh``: tensor parallelism, then data parallelism.
+"""``wrap_mesh``: a model on a ``ParallelMesh``; tensor parallelism, then data parallelism.
 
 Tensor parallelism comes first: ``parallelize_module(model, mesh["tp"], tp_plan)``
 turns the planned parameters into ``DTensor`` shards over each tensor-parallel
@@ -17,61 +17,76 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Final
 
 import torch
 from torch import nn
 
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 from funcaccel._dist_types import is_instance_if_loaded
 from funcaccel.context import DistributedContext
+from funcaccel.context import require_process_group
+from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.mesh import ParallelMesh
+from funcaccel.mesh import check_mesh
+from funcaccel.model._ddp import changed_fields
+from funcaccel.model._ddp import check_ddp
+from funcaccel.model._ddp import ddp_
+from funcaccel.model._ddp import refuse_meta
+from funcaccel.model._fsdp import FSDP_OR_NONE
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
-from funcaccel.model._fsdp import rebind_by_name_
 from funcaccel.model._fsdp import shard_model
+from funcaccel.model._meta import place_
+from funcaccel.model._rebind import as_optimizers
+from funcaccel.model._rebind import rebind_by_name_
+from funcaccel.model._wrappers import check_unwrapped
 
-__all__ = ["check_mesh_wrapping", "wrap_on_mesh"]
+__all__ = ["check_mesh_setup", "check_mesh_wrapping", "mesh_", "wrap_mesh"]
 
-_WHERE = "wrap_model"
+_PLAN_EXAMPLE: Final = (
+    "Pass e.g. tp_plan={'up': ColwiseParallel(), 'down': RowwiseParallel()}."
+)
+_STYLE_TYPE: Final = ("torch.distributed.tensor.parallel.style", "ParallelStyle")
+_STYLE: Final = "a torch.distributed.tensor.parallel ParallelStyle"
+_STYLE_EXAMPLE: Final = "Use ColwiseParallel(), RowwiseParallel(), ..."
+_SHARD_OR_REPLICATE: Final = (
+    "Pass fsdp=FSDPOptions() to shard over it, or build the mesh with dp_shard=1 "
+    "to replicate."
+)
+_TP_ONLY: Final = (
+    "Pass fsdp=None for tensor parallelism only, or give the mesh dp_shard > 1."
+)
 
 
-def _check_plan(mesh: ParallelMesh, tp_plan: object, model: nn.Module) -> None:
+def _check_plan(
+    caller: str, mesh: ParallelMesh, tp_plan: object, model: nn.Module
+) -> None:
+    on_tp1 = f"None on a mesh with tp=1 (shape {mesh.shape})"
+    if mesh.tp == 1 and tp_plan is not None:
+        fail_value(caller, "tp_plan", tp_plan, on_tp1, "Build the mesh with tp > 1.")
     if mesh.tp == 1:
-        if tp_plan is not None:
-            msg = (
-                f"{_WHERE}: tp_plan was given but the mesh has tp=1 (shape "
-                f"{mesh.shape}); build the mesh with tp > 1, or pass tp_plan=None."
-            )
-            raise ValueError(msg)
         return
-    if not isinstance(tp_plan, Mapping) or not tp_plan:
-        msg = (
-            f"{_WHERE}: the mesh has tp={mesh.tp}, so tp_plan must map module names "
-            f"to torch parallel styles; got {summary(tp_plan)}. Pass e.g. "
-            "tp_plan={'up': ColwiseParallel(), 'down': RowwiseParallel()}."
-        )
-        raise (TypeError if tp_plan is not None else ValueError)(msg)
+    styles = f"a mapping of module names to torch parallel styles (the mesh has tp={mesh.tp})"
+    if tp_plan is None or (isinstance(tp_plan, Mapping) and not tp_plan):
+        fail_value(caller, "tp_plan", tp_plan, styles, _PLAN_EXAMPLE)
+    plan = check_type(
+        caller, "tp_plan", tp_plan, Mapping, what=styles, hint=_PLAN_EXAMPLE
+    )
     names = [name for name, _ in model.named_modules()]
-    for name, style in tp_plan.items():
-        if not isinstance(name, str):
-            msg = f"{_WHERE}: tp_plan keys must be module names (str); got {name!r}."
-            raise TypeError(msg)
-        if not is_instance_if_loaded(
-            style, "torch.distributed.tensor.parallel.style", "ParallelStyle"
-        ):
-            msg = (
-                f"{_WHERE}: tp_plan[{name!r}] must be a torch.distributed.tensor."
-                f"parallel ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...); "
-                f"got {summary(style)} ({type(style).__name__})."
-            )
-            raise TypeError(msg)
+    submodule = (
+        f"a submodule's name or a pattern with '*'; the model has {summary(names[1:])}"
+    )
+    for name, style in plan.items():
+        check_type(caller, "every tp_plan key", name, str, what="a module name (str)")
+        if not is_instance_if_loaded(style, *_STYLE_TYPE):
+            fail_type(caller, f"tp_plan[{name!r}]", style, _STYLE, _STYLE_EXAMPLE)
         if "*" not in name and name not in names:
-            msg = (
-                f"{_WHERE}: tp_plan names {name!r}, which is not a submodule of the "
-                f"model; its submodules are {summary(names[1:])}."
-            )
-            raise ValueError(msg)
-    _check_uneven_rows(mesh.tp, tp_plan, model)
+            fail_value(caller, "every tp_plan key", name, submodule)
+    _check_uneven_rows(caller, mesh.tp, plan, model)
 
 
 def _shard_sizes(size: int, parts: int) -> list[int]:
@@ -84,7 +99,9 @@ def _shard_sizes(size: int, parts: int) -> list[int]:
     return [max(0, min(chunk, size - i * chunk)) for i in range(parts)]
 
 
-def _check_uneven_rows(tp: int, tp_plan: Mapping[str, Any], model: nn.Module) -> None:
+def _check_uneven_rows(
+    caller: str, tp: int, tp_plan: Mapping[str, Any], model: nn.Module
+) -> None:
     """Refuse a ``RowwiseParallel`` ``nn.Linear`` whose local input torch cannot size.
 
     Its input is sharded on the last dimension; a plain (local) tensor is made a
@@ -115,7 +132,7 @@ def _check_uneven_rows(tp: int, tp_plan: Mapping[str, Any], model: nn.Module) ->
         ):
             continue
         msg = (
-            f"{_WHERE}: tp_plan[{name!r}] is RowwiseParallel on an nn.Linear with "
+            f"{caller}: tp_plan[{name!r}] is RowwiseParallel on an nn.Linear with "
             f"in_features={module.in_features}, which tp={tp} does not divide (its "
             f"ranks hold {_shard_sizes(module.in_features, tp)}); torch sizes a local "
             f"input as {tp} equal shards, so the forward would fail. Hand it a "
@@ -126,49 +143,50 @@ def _check_uneven_rows(tp: int, tp_plan: Mapping[str, Any], model: nn.Module) ->
 
 
 def check_mesh_wrapping(
+    caller: str,
     ctx: DistributedContext,
     model: nn.Module,
     mesh: ParallelMesh,
     tp_plan: object,
     fsdp: FSDPOptions | None,
-    ddp_options_set: bool,
+    kwargs: DistributedDataParallelKwargs,
 ) -> None:
     """Refuse, before anything changes, a combination ``wrap_on_mesh`` cannot build.
 
     Raises:
         TypeError: a ``tp_plan`` that is not a mapping of names to parallel styles.
-        ValueError: see ``wrap_model``.
+        ValueError: see ``wrap_mesh``.
         RuntimeError: several processes and a mesh without a ``DeviceMesh``.
     """
-    _check_plan(mesh, tp_plan, model)
+    _check_plan(caller, mesh, tp_plan, model)
+    shape = f"shape {mesh.shape}"
     if fsdp is None and mesh.dp_shard > 1:
-        msg = (
-            f"{_WHERE}: the mesh has dp_shard={mesh.dp_shard} (shape {mesh.shape}) "
-            "but fsdp=None; pass fsdp=FSDPOptions() to shard over it, or build the "
-            "mesh with dp_shard=1 to replicate."
+        fail_value(
+            caller,
+            "fsdp",
+            fsdp,
+            f"an FSDPOptions on a mesh with dp_shard > 1 ({shape})",
+            _SHARD_OR_REPLICATE,
         )
-        raise ValueError(msg)
     if fsdp is not None and mesh.dp_size == 1 and ctx.num_processes > 1:
-        msg = (
-            f"{_WHERE}: fsdp was given but the mesh (shape {mesh.shape}) has one "
-            "data-parallel rank, so there is nothing to shard over; pass fsdp=None "
-            "for tensor parallelism only, or give the mesh dp_shard > 1."
+        fail_value(
+            caller,
+            "fsdp",
+            fsdp,
+            f"None on a mesh with one data-parallel rank ({shape}): nothing to shard over",
+            _TP_ONLY,
         )
-        raise ValueError(msg)
     if fsdp is not None:
-        check_fsdp_options(ctx, fsdp, _WHERE, shard_size=mesh.dp_shard)
-    if ddp_options_set and mesh.tp > 1:
-        msg = (
-            f"{_WHERE}: ddp_kwargs configure DDP, which a tensor-parallel mesh "
-            f"(tp={mesh.tp}) does not use; pass ddp_kwargs=None."
+        check_fsdp_options(caller, ctx, fsdp, shard_size=mesh.dp_shard)
+    if kwargs != DistributedDataParallelKwargs() and mesh.tp > 1:
+        fail_value(
+            caller,
+            "ddp_kwargs",
+            changed_fields(kwargs),
+            f"None on a tensor-parallel mesh (tp={mesh.tp}), which DDP does not wrap",
         )
-        raise ValueError(msg)
     if ctx.num_processes > 1 and mesh.device_mesh is None:
-        msg = (
-            f"{_WHERE}: the mesh (shape {mesh.shape}) has no DeviceMesh: it was "
-            "built by hand or before the process group started; build it with "
-            "build_mesh(ctx, ...) after build_context()."
-        )
+        msg = f"{caller}: the mesh ({shape}) has no DeviceMesh: it was built by hand or before the process group started; build it with build_mesh(ctx, ...) after build_context()."
         raise RuntimeError(msg)
 
 
@@ -220,3 +238,109 @@ def _parallelize(
     # Replication of a tensor-parallel model: shards of one rank, nothing to free.
     options = FSDPOptions(reshard_after_forward=False) if fsdp is None else fsdp
     return shard_model(ctx, model, options, device_mesh=dp_mesh)
+
+
+def check_mesh_setup(
+    caller: str,
+    ctx: DistributedContext,
+    model: nn.Module,
+    mesh: object,
+    tp_plan: object,
+    fsdp: FSDPOptions | None,
+    kwargs: DistributedDataParallelKwargs,
+) -> ParallelMesh:
+    """Return ``mesh`` after refusing, before anything changes, what ``mesh_`` cannot build.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: see ``wrap_mesh``.
+    """
+    mesh = check_mesh(caller, ctx, mesh)
+    check_mesh_wrapping(caller, ctx, model, mesh, tp_plan, fsdp, kwargs)
+    if fsdp is None:
+        check_ddp(caller, ctx, kwargs)
+    elif ctx.num_processes > 1:
+        require_process_group(ctx, caller)
+    return mesh
+
+
+def mesh_(
+    ctx: DistributedContext,
+    mesh: ParallelMesh,
+    tp_plan: Mapping[str, Any] | None,
+    fsdp: FSDPOptions | None,
+    kwargs: DistributedDataParallelKwargs,
+    optimizers: Sequence[torch.optim.Optimizer],
+    model: nn.Module,
+) -> nn.Module:
+    """Parallelize ``model`` on ``mesh`` (see ``wrap_mesh``); DDP where it only replicates.
+
+    ``model`` comes last, so that ``wrap_model`` can bind the rest beforehand.
+    """
+    if ctx.num_processes == 1:
+        return model
+    wrapped = wrap_on_mesh(ctx, model, mesh, tp_plan, fsdp, optimizers)
+    return ddp_(ctx, kwargs, model) if wrapped is None else wrapped
+
+
+def wrap_mesh(
+    ctx: DistributedContext,
+    model: nn.Module,
+    mesh: ParallelMesh,
+    *,
+    tp_plan: Mapping[str, Any] | None = None,
+    fsdp: FSDPOptions | None = None,
+    ddp_kwargs: DistributedDataParallelKwargs | None = None,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+) -> nn.Module:
+    """Move ``model`` to ``ctx.device`` and parallelize it in place on ``mesh``.
+
+    ``tp_plan`` (module name or ``fnmatch`` pattern -> torch parallel style) is
+    applied first with ``parallelize_module(model, mesh["tp"], tp_plan)``; then
+    FSDP2 shards over ``mesh["dp_shard"]`` (HSDP over ``["dp_replicate",
+    "dp_shard"]`` when ``dp_replicate > 1``); with ``fsdp=None`` a mesh that only
+    replicates gets DDP (``ddp_kwargs``), or, when ``tp > 1``, FSDP2 shards of one
+    rank (DDP cannot hold ``DTensor`` parameters). ``optimizers`` are re-pointed at
+    the new parameters. A ``meta`` model is sharded as it is: give this rank's
+    shards storage afterwards with ``materialize_meta``. ``wrap_model(ctx, model,
+    mesh=..., tp_plan=..., fsdp=...)`` does the same and materialises for you.
+
+    With 4 ranks, ``build_mesh(ctx, dp_shard=2, tp=2)``, ``fsdp=FSDPOptions()`` and
+    ``tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()}`` on an 8-row
+    ``up``: rank 1 holds rows 4-5 of ``up.weight`` (tensor-parallel half 1, FSDP
+    shard 0) and rank 2 rows 2-3 (half 0, shard 1). docs/mesh.md has more.
+
+    Args:
+        ctx: the distributed context.
+        model: the user's module, not wrapped yet; changed in place.
+        mesh: ``build_mesh(ctx, ...)`` of this context.
+        tp_plan: required exactly when ``mesh.tp > 1``.
+        fsdp: FSDP2 options; required when ``mesh.dp_shard > 1``.
+        ddp_kwargs: DDP options where the mesh replicates with DDP.
+        optimizers: optimizers already built on ``model``'s parameters.
+
+    Returns:
+        ``model`` (parallelized in place) or a DDP module wrapping it.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a mesh of another rank or world; a plan that does not fit the
+            mesh or the model; ``dp_shard > 1`` without ``fsdp``; ``fsdp`` with one
+            data-parallel rank; ``ddp_kwargs`` with ``tp > 1``.
+        RuntimeError: several processes and no process group or ``DeviceMesh``.
+
+    >>> from funcaccel.context import DistributedContext
+    >>> net, one = nn.Linear(2, 1), DistributedContext()
+    >>> wrap_mesh(one, net, ParallelMesh()) is net  # one process: nothing to do
+    True
+    """
+    caller, kind = "wrap_mesh", DistributedDataParallelKwargs
+    model = check_unwrapped(caller, ctx, model)
+    check_type(caller, "fsdp", fsdp, FSDPOptions, what=FSDP_OR_NONE, optional=True)
+    kwargs = check_type(caller, "ddp_kwargs", ddp_kwargs, kind, optional=True)
+    opts = as_optimizers(caller, optimizers)
+    kwargs = kind() if kwargs is None else kwargs
+    mesh = check_mesh_setup(caller, ctx, model, mesh, tp_plan, fsdp, kwargs)
+    if fsdp is None and mesh.tp == 1 and mesh.dp_size > 1:
+        refuse_meta(caller, model)  # DDP replicates the whole model
+    place_(model, ctx.device)
+    return mesh_(ctx, mesh, tp_plan, fsdp, kwargs, opts, model)

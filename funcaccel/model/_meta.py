@@ -34,18 +34,36 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from typing import Final
 
 import torch
 from torch import nn
 
+from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
+from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_dtensor
-from funcaccel.model._fsdp import rebind_by_name_
+from funcaccel.context import DistributedContext
+from funcaccel.model._rebind import as_optimizers
+from funcaccel.model._rebind import rebind_by_name_
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["check_meta_init", "has_meta_tensors", "materialize_"]
+__all__ = [
+    "check_meta_init",
+    "has_meta_tensors",
+    "materialize_",
+    "materialize_meta",
+    "place_",
+    "wrap_materialized",
+]
+
+_INIT_FN: Final = (
+    "Pass init_fn=, a function that initialises one module's own parameters and "
+    "buffers in place, or build the model on a real device."
+)
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -86,19 +104,27 @@ def check_meta_init(caller: str, model: nn.Module, init_fn: object) -> None:
     """
     if init_fn is not None and not callable(init_fn):
         fail_type(caller, "init_fn", init_fn, "a function of one module or None")
-    if init_fn is not None:
-        return
-    for name, module in _meta_modules(model):
+    for name, module in _meta_modules(model) if init_fn is None else ():
+        where = f"{name!r}" if name else "the root module"
+        kind = type(module).__name__
+        what = f"given: the model is on meta, and its module {where} ({kind}) has no reset_parameters()"
         if not callable(getattr(module, "reset_parameters", None)):
-            where = repr(name) if name else "the root module"
-            msg = (
-                f"{caller}: the model is on the meta device, and its module {where} "
-                f"({type(module).__name__}) holds meta tensors but has no "
-                "reset_parameters(); pass init_fn=, a function that initialises "
-                "one module's own parameters and buffers in place, or build the "
-                "model on a real device."
-            )
-            raise ValueError(msg)
+            fail_value(caller, "init_fn", init_fn, what, _INIT_FN)
+
+
+def place_(model: nn.Module, device: torch.device) -> None:
+    """Move ``model`` to ``device`` in place, as ``.to`` does, leaving meta tensors on meta."""
+    if not has_meta_tensors(model):
+        model.to(device)
+        return
+    # model.to() cannot copy out of meta tensors; move the others one by one.
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not param.is_meta and param.device != device:
+                param.data = param.data.to(device)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _initialise(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
@@ -153,3 +179,82 @@ def _keep_local_parts_(module: nn.Module, sharded: dict[str, DTensor]) -> None:
             param.to_local().copy_(local)
         assert isinstance(param, nn.Parameter)
         module._parameters[name] = param
+
+
+def materialize_meta(
+    ctx: DistributedContext,
+    model: nn.Module,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    *,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+) -> nn.Module:
+    """Give ``model``'s ``meta`` tensors storage on ``ctx.device`` and initialise them, in place.
+
+    Each module holding meta parameters or buffers of its own, in
+    ``model.modules()`` order, gets them in full, is initialised by
+    ``init_fn(module)`` (under ``torch.no_grad()``; ``None``: its
+    ``reset_parameters()``), and each sharded (``DTensor``) parameter keeps only
+    this rank's part. With the same seed on every rank the values equal those of
+    building the model whole. Call it after ``wrap_fsdp`` / ``wrap_mesh``, so that
+    only this rank's shards get storage, or before ``wrap_ddp``, which needs the
+    whole model. Modules without meta tensors, and a model with none, are left
+    as they are; ``optimizers`` built on the meta parameters are re-pointed at
+    the new ones. docs/mesh.md has the details.
+
+    With 2 FSDP2 ranks and ``nn.Linear(4, 8)`` on meta, both ranks draw the full
+    8 x 4 weight; rank 0 keeps rows 0-3 and rank 1 rows 4-7.
+
+    Args:
+        ctx: the distributed context (its ``device``).
+        model: a module, sharded or not; changed in place.
+        init_fn: initialises one module's own parameters and buffers in place.
+        optimizers: optimizers built on ``model``'s meta parameters.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``init_fn`` is ``None`` and a module with meta tensors has no
+            ``reset_parameters()``.
+
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> with torch.device("meta"):
+    ...     net = nn.Linear(2, 1)
+    >>> materialize_meta(DistributedContext(), net).weight.is_meta
+    False
+    """
+    caller = "materialize_meta"
+    check_context(caller, ctx)
+    model = check_type(caller, "model", model, nn.Module, what="a torch.nn.Module")
+    opts = as_optimizers(caller, optimizers)
+    check_meta_init(caller, model, init_fn)
+    materialize_(model, ctx.device, init_fn, opts)
+    return model
+
+
+def wrap_materialized(
+    ctx: DistributedContext,
+    model: nn.Module,
+    init_fn: Callable[[nn.Module], None] | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    wrap: Callable[[nn.Module], nn.Module],
+    *,
+    shards: bool,
+) -> nn.Module:
+    """Place ``model`` on ``ctx.device`` and return ``wrap(model)``, meta tensors given storage.
+
+    ``check_meta_init`` has accepted ``model`` and ``init_fn``. A meta model is
+    materialised after ``wrap`` when it ``shards`` a model that trains (so only
+    this rank's shards get storage), else whole before it.
+    """
+    meta = has_meta_tensors(model)
+    later = meta and shards and any(p.requires_grad for p in model.parameters())
+    if meta and not later:
+        materialize_(model, ctx.device, init_fn, optimizers)
+    place_(model, ctx.device)
+    wrapped = wrap(model)
+    if later:
+        materialize_(wrapped, ctx.device, init_fn, optimizers)
+    return wrapped
