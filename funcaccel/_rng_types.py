@@ -7,14 +7,19 @@ RNG sync each time it runs, with the same messages.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
+from funcaccel._checks import check_choice
 from funcaccel._checks import fail_type
-from funcaccel._checks import summary
+from funcaccel._checks import fail_value
 from funcaccel._typing import RNG_TYPES
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 
 __all__ = ["check_rng_types"]
+
+_FIX: Final = "Remove it (seed other generators yourself, e.g. in worker_init_fn)."
+_FIX_CUDA: Final = "Remove 'cuda' on a CPU run."
 
 
 def check_rng_types(
@@ -34,18 +39,12 @@ def check_rng_types(
         what = "a list of names such as ['torch']"
         fail_type(caller, "rng_types", rng_types, what)
     names: list[RngType] = []
-    for name in rng_types:
-        if name not in RNG_TYPES:
-            msg = (
-                f"{caller}: rng_types may hold only 'torch', 'cuda' and 'generator'; "
-                f"got {summary(name)} in {summary(list(rng_types))}. Remove it."
-            )
-            raise ValueError(msg)
+    what = f"free of 'cuda' when ctx.device is {ctx.device}"
+    for item in rng_types:
+        name = check_choice(
+            caller, "each name in rng_types", item, RNG_TYPES, hint=_FIX
+        )
         if name == "cuda" and ctx.device.type != "cuda":
-            msg = (
-                f"{caller}: rng_types has 'cuda' but ctx.device is {ctx.device}; "
-                "remove 'cuda' on a CPU run."
-            )
-            raise ValueError(msg)
+            fail_value(caller, "rng_types", list(rng_types), what, _FIX_CUDA)
         names.append(name)
     return tuple(names)

@@ -387,21 +387,22 @@ def test_pad_tensor_returns_the_tensor_itself_when_long_enough() -> None:
             1,
             {},
             ValueError,
-            r"size \(1\) is smaller .* size 2 along dim 0",
+            r"size must be >= 2 \(dim 0's size\); got 1\.$",
         ),
         (
             torch.ones(2),
             3,
             {"dim": 1},
             ValueError,
-            r"dim \(1\) must be < tensor\.ndim \(1\)",
+            r"dim \(1\) must be in \[0, tensor\.ndim=1\); pass a dim the tensor's "
+            r"shape \(2,\) has\.$",
         ),
         (
             torch.tensor(1.0),
             3,
             {},
             ValueError,
-            r"dim \(0\) must be < tensor\.ndim \(0\)",
+            r"dim \(0\) must be in \[0, tensor\.ndim=0\)",
         ),
         (
             torch.ones(2, dtype=torch.int64),

@@ -584,22 +584,22 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "(2) when split_batches=True; ...": lambda _: fa.shard_loader(
         _world(2), _loader(batch_size=3), split_batches=True
     ),
-    "ValueError: shard_loader: dispatch_batches=True needs put_on_device=True (got "
-    "False): ...": lambda _: fa.shard_loader(
+    "ValueError: shard_loader: put_on_device must be True when dispatch_batches=True "
+    "(rank 0 sends each rank its rows); got False. ...": lambda _: fa.shard_loader(
         ONE, _loader(), dispatch_batches=True, put_on_device=False
     ),
-    "ValueError: shard_loader: rng_types may hold only 'torch', 'cuda' and "
-    "'generator'; got 'numpy' in ['numpy']. Remove it.": lambda _: fa.shard_loader(
+    "ValueError: shard_loader: each name in rng_types must be one of 'torch', "
+    "'cuda', 'generator'; got 'numpy'. Remove it ...": lambda _: fa.shard_loader(
         ONE,
         _loader(),
         rng_types=["numpy"],  # type: ignore[list-item]
     ),
-    "ValueError: shard_loader: rng_types has 'cuda' but ctx.device is cpu; remove "
-    "'cuda' on a CPU run.": lambda _: fa.shard_loader(
+    "ValueError: shard_loader: rng_types must be free of 'cuda' when ctx.device is "
+    "cpu; got ['cuda']. Remove 'cuda' on a CPU run.": lambda _: fa.shard_loader(
         ONE, _loader(), rng_types=["cuda"]
     ),
-    "ValueError: shard_loader: the DataLoader does not batch (batch_size=None), so "
-    "there are no batches to shard across 2 processes; ...": lambda _: fa.shard_loader(
+    "ValueError: shard_loader: the DataLoader's batch_size must be set (not None) to "
+    "shard batches across 2 processes; got None. ...": lambda _: fa.shard_loader(
         _world(2), _loader(batch_size=_bad(None))
     ),
     "ValueError: iter_batches: cannot resume 4 samples into the epoch with "

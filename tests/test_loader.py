@@ -1077,7 +1077,8 @@ def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
     assert len(shard_loader(rank_ctx(1), dataloader)) == 3
     with pytest.raises(
         ValueError,
-        match=r"shard_loader: the DataLoader does not batch \(batch_size=None\)",
+        match=r"shard_loader: the DataLoader's batch_size must be set \(not None\) to "
+        r"shard batches across 2 processes; got None\. Pass a batch_size",
     ):
         shard_loader(rank_ctx(2, 0), dataloader)
 
@@ -1132,17 +1133,17 @@ def test_unbatched_loader_works_alone_and_needs_dispatch_when_sharded() -> None:
         (
             {"rng_types": ["torch", "numpy"]},
             ValueError,
-            r"got 'numpy' in \['torch', 'numpy'\]",
+            r"in rng_types must be one of 'torch', 'cuda', 'generator'; got 'numpy'\.",
         ),
         (
             {"rng_types": ["cuda"]},
             ValueError,
-            r"rng_types has 'cuda' but ctx.device is cpu",
+            r"rng_types must be free of 'cuda' when ctx.device is cpu; got \['cuda'\]",
         ),
         (
             {"dispatch_batches": True, "put_on_device": False},
             ValueError,
-            r"dispatch_batches=True needs put_on_device=True",
+            r"put_on_device must be True when dispatch_batches=True \(rank 0 sends ",
         ),
     ],
 )

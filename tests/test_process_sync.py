@@ -173,7 +173,9 @@ def test_split_rejects_other_inputs() -> None:
     with pytest.raises(TypeError, match=r"inputs\['k'\] must be .*got 3 \(int\)"):
         fa.split_between_processes(ONE, {"k": 3})
     with pytest.raises(
-        ValueError, match=r"0-d tensor \(tensor\(shape=\(\), dtype=torch.float32\)\)"
+        ValueError,
+        match=r"inputs must be a tensor with a dim 0 to split; got "
+        r"tensor\(shape=\(\), dtype=torch.float32\)\. Pass a tensor with",
     ):
         fa.split_between_processes(ONE, torch.tensor(1.0))
     with pytest.raises(TypeError, match=r"apply_padding must be a bool; got 1 \(int\)"):

@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from funcaccel._checks import check_choice
+from funcaccel._checks import check_index
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import type_name
 from funcaccel._guard import guard_collective
 from funcaccel._tree import rebuild
@@ -110,9 +112,8 @@ def _check_from_process(
 ) -> None:
     hint = "Pass the source rank as an int."
     check_type(caller, "from_process", from_process, int, hint=hint)
-    if not 0 <= from_process < ctx.num_processes:
-        msg = f"{caller}: from_process ({from_process}) must be in [0, num_processes={ctx.num_processes}); pass the rank to copy from."
-        raise ValueError(msg)
+    p, hint = ctx.num_processes, "pass the rank to copy from."
+    check_index(caller, "from_process", from_process, "num_processes", p, hint)
 
 
 def gather(ctx: DistributedContext, data: T) -> T:
@@ -347,16 +348,12 @@ def _check_batch(batch: _BatchArg, data_ranks: int) -> BatchInfo | None:
         return None
     is_last = getattr(batch, "is_last", None)
     remainder = getattr(batch, "remainder", None)
-    if (
-        not isinstance(is_last, bool)
-        or not isinstance(remainder, int)
-        or isinstance(remainder, bool)
-    ):
+    if not isinstance(is_last, bool) or type(remainder) is not int:  # no bool
         msg = f"gather_for_metrics: batch must have is_last: bool and remainder: int (a record from iter_batches); got {type_name(batch)} with is_last={is_last!r}, remainder={remainder!r}."
         raise TypeError(msg)
     if remainder < -1:
-        msg = f"gather_for_metrics: batch.remainder must be >= -1; got {remainder}; pass the record iter_batches yields."
-        raise ValueError(msg)
+        hint = "Pass the record iter_batches yields."
+        fail_value("gather_for_metrics", "batch.remainder", remainder, ">= -1", hint)
     return batch
 
 

@@ -11,7 +11,9 @@ from typing import Final
 import torch
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_index
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 
 __all__ = ["check_pad_args", "check_pad_dim", "check_pad_fill", "pad_tensor"]
@@ -45,22 +47,21 @@ def pad_tensor(
     """
     check_type("pad_tensor", "tensor", tensor, torch.Tensor, what="a torch.Tensor")
     check_pad_args("pad_tensor", dim, pad_index)
-    if dim >= tensor.ndim:
-        msg = f"pad_tensor: dim ({dim}) must be < tensor.ndim ({tensor.ndim}) for shape {tuple(tensor.shape)}; pass a dim the tensor has."
-        raise ValueError(msg)
-    if isinstance(pad_index, float) and not pad_index.is_integer():
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            msg = f"pad_tensor: pad_index {pad_index} cannot be stored in a {tensor.dtype} tensor; pass an integer pad_index."
-            raise ValueError(msg)
+    shape = tuple(tensor.shape)
+    hint = f"pass a dim the tensor's shape {shape} has."
+    check_index("pad_tensor", "dim", dim, "tensor.ndim", tensor.ndim, hint)
+    spec = [[(shape, str(tensor.dtype))]]  # one leaf, as check_pad_fill reads it
+    check_pad_fill(
+        "pad_tensor", spec, dim=dim, pad_index=pad_index, pad_first=pad_first
+    )
     current = tensor.shape[dim]
     if size < current:
-        msg = f"pad_tensor: size ({size}) is smaller than the tensor's size {current} along dim {dim}; pass size >= {current}."
-        raise ValueError(msg)
+        fail_value("pad_tensor", "size", size, f">= {current} (dim {dim}'s size)")
     if size == current:
         return tensor
-    shape = list(tensor.shape)
-    shape[dim] = size
-    out = tensor.new_full(shape, pad_index)
+    sizes = list(shape)
+    sizes[dim] = size
+    out = tensor.new_full(sizes, pad_index)
     out.narrow(dim, size - current if pad_first else 0, current).copy_(tensor)
     return out
 
@@ -68,10 +69,7 @@ def pad_tensor(
 def check_pad_args(caller: str, dim: int, pad_index: float) -> None:
     check_type(caller, "dim", dim, int)
     if dim < 0:
-        msg = (
-            f"{caller}: dim must be >= 0; got {dim}. Count dims from 0 (no negatives)."
-        )
-        raise ValueError(msg)
+        fail_value(caller, "dim", dim, ">= 0", "Count dims from 0 (no negatives).")
     # bool in the kinds: a bool pad_index has always passed (it fills 0 or 1).
     number = (int, float, bool)
     hint = "Pass an int or a float."
@@ -103,16 +101,11 @@ def check_pad_fill(
     for index, per_rank in enumerate(specs):
         for shape, dtype in per_rank:
             kind = getattr(torch, dtype.removeprefix("torch."), None)
-            if (
-                len(shape) > dim
-                and isinstance(kind, torch.dtype)
-                and not (kind.is_floating_point or kind.is_complex)
-            ):
-                msg = (
-                    f"{caller}: pad_index {pad_index} cannot be stored in a {dtype} "
-                    f"leaf (leaf {index}, shape {shape}); pass an integer pad_index, "
-                    "or cast the leaf to a floating dtype."
-                )
+            exact = isinstance(kind, torch.dtype) and not (
+                kind.is_floating_point or kind.is_complex
+            )
+            if len(shape) > dim and exact:
+                msg = f"{caller}: pad_index {pad_index} cannot be stored in a {dtype} leaf (leaf {index}, shape {shape}); pass an integer pad_index, or cast the leaf to a floating dtype."
                 raise ValueError(msg)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from typing import Final
 from typing import TypeVar
 from typing import overload
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
-from funcaccel._checks import summary
+from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
 from funcaccel._guard import guard_collective
 from funcaccel._primitives import exchange_codes
@@ -46,6 +47,8 @@ __all__ = [
     "split_between_processes",
     "wait_for_everyone",
 ]
+
+_FIX_0D: Final = "Pass a tensor with at least one dim (t.reshape(1))."
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -201,8 +204,7 @@ def padded_count(ctx: DistributedContext, total: int) -> int:
     check_context("padded_count", ctx)
     check_type("padded_count", "total", total, int, hint="Pass len(inputs).")
     if total < 0:
-        msg = f"padded_count: total must be >= 0; got {total}. Pass len(inputs)."
-        raise ValueError(msg)
+        fail_value("padded_count", "total", total, ">= 0", "Pass len(inputs).")
     start, stop, padded = _bounds(total, ctx.num_processes, ctx.process_index)
     return padded - (stop - start)
 
@@ -210,11 +212,7 @@ def padded_count(ctx: DistributedContext, total: int) -> int:
 def _length(caller: str, name: str, value: object) -> int:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
-            msg = (
-                f"{caller}: {name} is a 0-d tensor ({summary(value)}), which has no "
-                "dim 0 to split; pass a tensor with at least one dim."
-            )
-            raise ValueError(msg)
+            fail_value(caller, name, value, "a tensor with a dim 0 to split", _FIX_0D)
         return int(value.shape[0])
     if isinstance(value, (list, tuple)):
         return len(value)

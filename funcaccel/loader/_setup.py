@@ -28,6 +28,7 @@ from torch.utils.data import SequentialSampler
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._rng_types import check_rng_types
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
@@ -44,6 +45,11 @@ __all__ = ["Setup", "build_setup", "kept_settings"]
 
 SliceFn = Callable[[Any, slice], Any]
 _WHERE: Final = "shard_loader"
+_FIX_UNBATCHED: Final = "Pass a batch_size to the DataLoader, or dispatch_batches=True."
+_DISPATCHING: Final = (
+    "True when dispatch_batches=True (rank 0 sends each rank its rows)"
+)
+_FIX_DISPATCH: Final = "Pass put_on_device=True or dispatch_batches=False."
 
 
 def kept_settings(dataloader: DataLoader[Any]) -> dict[str, Any]:
@@ -116,10 +122,9 @@ def _check_types(
         _WHERE, "dispatch_batches", dispatch_batches, bool, what=what, optional=True
     )
     seed = check_int(_WHERE, "seed", seed, 0)
+    # Epoch e seeds torch generators with seed + e, which must stay below 2**64.
     if seed >= 2**63:
-        # Epoch e seeds torch generators with seed + e, which must stay below 2**64.
-        msg = f"{_WHERE}: seed must be < 2**63; got {seed}. Pass a smaller int."
-        raise ValueError(msg)
+        fail_value(_WHERE, "seed", seed, "< 2**63", "Pass a smaller int.")
     if slice_fn is not None and not callable(slice_fn):
         fail_type(_WHERE, "slice_fn", slice_fn, "None or a callable (data, slice)")
 
@@ -223,13 +228,9 @@ def _check_batching(
             "split_batches=False."
         )
         raise ValueError(msg)
+    what = f"set (not None) to shard batches across {p} processes"
     if p > 1 and not dispatch and not batched:
-        msg = (
-            f"{_WHERE}: the DataLoader does not batch (batch_size=None), so there are "
-            f"no batches to shard across {p} processes; pass a batch_size to the "
-            "DataLoader, or dispatch_batches=True."
-        )
-        raise ValueError(msg)
+        fail_value(_WHERE, "the DataLoader's batch_size", None, what, _FIX_UNBATCHED)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,12 +279,7 @@ def _plan(
     _check_no_generator(dataloader)
     iterable = isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches and not put_on_device:
-        msg = (
-            f"{_WHERE}: dispatch_batches=True needs put_on_device=True (got False): "
-            "rank 0 sends each rank its rows; pass put_on_device=True or "
-            "dispatch_batches=False."
-        )
-        raise ValueError(msg)
+        fail_value(_WHERE, "put_on_device", False, _DISPATCHING, _FIX_DISPATCH)
     wanted = (
         put_on_device and iterable if dispatch_batches is None else dispatch_batches
     )

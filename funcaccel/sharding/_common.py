@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_index
 from funcaccel._checks import check_int
 
 __all__ = ["check_world", "take_cyclic"]
@@ -27,9 +28,8 @@ def check_world(
     """Check ``num_processes``, ``process_index`` and the split batch size."""
     p = check_int(where, "num_processes", num_processes, 1)
     i = check_int(where, "process_index", index, 0)
-    if i >= p:
-        msg = f"{where}: process_index ({i}) must be in [0, num_processes={p}); pass this process's rank, below {p}."
-        raise ValueError(msg)
+    hint = f"pass this process's rank, below {p}."
+    check_index(where, "process_index", i, "num_processes", p, hint)
     if check_bool(where, "split_batches", split) and (bs is None or bs % p):
         msg = (
             f"{where}: batch_size ({bs}) must be a multiple of num_processes ({p}) "
