@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 import funcaccel as fa
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 
@@ -242,8 +241,8 @@ def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_find_executable_batch_size_on_real_ranks(world: int, tmp_path: Path) -> None:
-    results = run_ranks(_scenarios, world, tmp_path)
+def test_find_executable_batch_size_on_real_ranks(world: int) -> None:
+    results = run_ranks(_scenarios, world, start_method="forkserver")
     for rank, result in enumerate(results):
         assert result["rank 1 oom"] == (("ran 8", 8), [64, 32, 16, 8])
         expected = {2: [64, 32, 16], 3: [64, 32, 16, 8]}[world]  # limits 40, 25, 10

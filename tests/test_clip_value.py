@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 
 import funcaccel as fa
 from funcaccel.context import DistributedContext
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 
 def param_with_grad(values: list[float]) -> torch.nn.Parameter:
@@ -142,8 +141,8 @@ def _clip_mean_grad(ctx: DistributedContext) -> list[float]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_clip_grad_value_of_the_mean_gradient(world: int, tmp_path: Path) -> None:
-    results = run_ranks(_clip_mean_grad, world, tmp_path)
+def test_clip_grad_value_of_the_mean_gradient(world: int) -> None:
+    results = run_ranks(_clip_mean_grad, world, start_method="forkserver")
     # The mean of 1, 3, 5, ... over `world` ranks is `world`; clamped to 2.
     expected = [min(2.0, float(world)), -0.5]
     assert results == [expected] * world

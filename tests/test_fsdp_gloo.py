@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import wrap_model
 from funcaccel.model._fsdp_gloo import gloo_reduce_scatter_class
 from funcaccel.model._fsdp_gloo import install_gloo_reduce_scatter
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 
 def _net() -> nn.Sequential:
@@ -79,8 +78,8 @@ def _worker(ctx: DistributedContext) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_reduce_scatter_in_place_and_released(world: int, tmp_path: Path) -> None:
-    for result in run_ranks(_worker, world, tmp_path):
+def test_gloo_reduce_scatter_in_place_and_released(world: int) -> None:
+    for result in run_ranks(_worker, world, start_method="forkserver"):
         for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             assert result[f"equal_{op}"]
             assert result[f"released_{op}"] == 0

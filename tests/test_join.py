@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from funcaccel.model import wrap_model
 from funcaccel.testing import rank_ctx
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 Params = list[torch.Tensor]
 
@@ -83,9 +82,9 @@ def _train_uneven(
 @pytest.mark.distributed
 @pytest.mark.parametrize(("world_size", "samples"), [(2, 6), (3, 10)])
 def test_join_lets_uneven_ranks_finish_with_torch_join_gradients(
-    tmp_path: Path, world_size: int, samples: int
+    world_size: int, samples: int
 ) -> None:
-    results = run_ranks(_train_uneven, world_size, tmp_path, samples)
+    results = run_ranks(_train_uneven, world_size, samples, start_method="forkserver")
     counts = [r[0] for r in results]
     assert len(set(counts)) > 1, counts  # the ranks really read uneven data
     for _, length, even, params, reference in results:
@@ -118,8 +117,10 @@ def _iterable_loader_warns(ctx: DistributedContext) -> tuple[bool, list[str]]:
 
 
 @pytest.mark.distributed
-def test_join_warns_and_keeps_an_iterable_loader(tmp_path: Path) -> None:
-    for same, messages in run_ranks(_iterable_loader_warns, 2, tmp_path):
+def test_join_warns_and_keeps_an_iterable_loader() -> None:
+    for same, messages in run_ranks(
+        _iterable_loader_warns, 2, start_method="forkserver"
+    ):
         assert same
         assert any("loaders [0] are iterable or dispatch" in m for m in messages)
 

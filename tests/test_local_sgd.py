@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from funcaccel.local_sgd import should_average
 from funcaccel.model import wrap_model
 from funcaccel.sync import no_sync
 from funcaccel.testing import rank_ctx
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 Step = tuple[torch.Tensor, torch.Tensor]  # flat parameters before and after
 
@@ -57,10 +56,10 @@ def _train(
     ("world_size", "ddp"), [(2, False), (3, False), (2, True)], ids=str
 )
 def test_parameters_are_the_ranks_mean_every_k_steps_and_local_between(
-    tmp_path: Path, world_size: int, ddp: bool
+    world_size: int, ddp: bool
 ) -> None:
     k, steps = 2, 5
-    results = run_ranks(_train, world_size, tmp_path, k, steps, ddp)
+    results = run_ranks(_train, world_size, k, steps, ddp, start_method="forkserver")
     assert [counted for _, counted in results] == [steps] * world_size
     for s in range(steps):
         befores = [history[s][0] for history, _ in results]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 import funcaccel as fa
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 
@@ -162,8 +161,8 @@ def _seeded_draws(ctx: DistributedContext) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_set_seed_on_real_ranks(world: int, tmp_path: Path) -> None:
-    results = run_ranks(_seeded_draws, world, tmp_path)
+def test_set_seed_on_real_ranks(world: int) -> None:
+    results = run_ranks(_seeded_draws, world, start_method="forkserver")
     shared = seeded_by_hand(10, 10, 10)
     assert [r["same"] for r in results] == [shared] * world
     assert [r["used"] for r in results] == [10 + r for r in range(world)]

@@ -16,7 +16,7 @@ from funcaccel.model import wrap_model
 from funcaccel.sync import no_sync
 from funcaccel.sync import sync_in_backward
 from funcaccel.testing import rank_ctx
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 Mode = Literal["trigger", "local", "sync_after"]
 
@@ -60,19 +60,17 @@ def _window(ctx: DistributedContext, mode: Mode) -> tuple[list[torch.Tensor], ..
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("mode", ["trigger", "sync_after"])
 def test_the_syncing_backward_leaves_the_mean_of_the_accumulated_gradients(
-    tmp_path: Path, mode: Mode, world: int
+    mode: Mode, world: int
 ) -> None:
-    for got, _, mean in run_ranks(_window, world, tmp_path, mode):
+    for got, _, mean in run_ranks(_window, world, mode, start_method="forkserver"):
         for g, m in zip(got, mean, strict=True):
             torch.testing.assert_close(g, m)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_without_sync_in_backward_gradients_stay_local(
-    tmp_path: Path, world: int
-) -> None:
-    results = run_ranks(_window, world, tmp_path, "local")
+def test_without_sync_in_backward_gradients_stay_local(world: int) -> None:
+    results = run_ranks(_window, world, "local", start_method="forkserver")
     for got, local, _ in results:
         for g, want in zip(got, local, strict=True):
             torch.testing.assert_close(g, want)
