@@ -100,15 +100,11 @@ def _check_arguments(
     if timeout is not None and (not timeout > 0 or math.isnan(timeout)):
         fail_value("launch", "timeout_s", timeout, "> 0 (or None for no limit)")
     if start_method is not None:
-        hint = "Pass None to let launch pick one."
-        check_choice("launch", "start_method", start_method, _START_METHODS, hint=hint)
-        available = multiprocessing.get_all_start_methods()
-        if start_method not in available:
-            msg = (
-                f"launch: start_method={start_method!r} is not available on "
-                f"{sys.platform} (available: {available}); pass one of those."
-            )
-            raise ValueError(msg)
+        # The methods this platform offers, in launch's order of preference.
+        offered = set(multiprocessing.get_all_start_methods())
+        methods = [method for method in _START_METHODS if method in offered]
+        hint = f"Pass None to let launch pick one ({sys.platform} offers these)."
+        check_choice("launch", "start_method", start_method, methods, hint=hint)
 
 
 class _MainFinder(pickle.Pickler):
@@ -412,55 +408,30 @@ def launch(
 ) -> list[T]:
     """Run ``fn(*args)`` on ``num_processes`` local processes; return their results.
 
-    Each child gets torchrun's variables in its own environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, and ``OMP_NUM_THREADS=1``
-    unless set) and a default process group started with ``backend`` through a
-    ``file://`` rendezvous in a new temporary directory (removed afterwards), so
-    ``build_context()`` inside ``fn`` returns this rank's context and reuses the
-    group; ``MASTER_ADDR`` / ``MASTER_PORT`` are not set. The group is destroyed
-    after ``fn`` returns if ``fn`` did not (``close_context``) itself. This
-    process's environment is not changed.
-
-    With ``num_processes=1`` and no ``start_method``, ``fn(*args)`` runs here, in
-    this process, with no process group (as ``build_context()`` expects of one
-    process): ``[fn(*args)]`` is returned, its exception propagates as is and
-    ``timeout_s`` does not apply. Given a ``start_method``, one child process is
-    started as for several (with a group of one, unless ``backend=None``).
+    For a notebook or a test: each child gets torchrun's variables (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` ...) and a default process group on
+    ``backend`` (none with ``None``), so ``build_context()`` inside ``fn`` returns
+    that rank's context. This process's environment is not changed. A rank that
+    raises or dies fails the call at once with a ``LaunchError`` naming it; the
+    other ranks are killed, so nothing hangs.
 
     With 2 processes, ``launch(train, cfg, num_processes=2)`` runs ``train(cfg)``
-    on rank 0 and rank 1; ``build_context()`` gives ``process_index`` 0 and 1, and
-    the call returns ``[train's result on rank 0, on rank 1]``.
+    on rank 0 and rank 1 and returns ``[rank 0's result, rank 1's result]``. With
+    one process and no ``start_method``, ``fn`` runs here, with no group:
 
-    Start method: by default ``"spawn"`` when ``fn`` and ``args`` pickle and are
-    importable by a new interpreter (defined in a module, or in a script's
-    ``__main__`` guarded by ``if __name__ == "__main__":``), else ``"fork"``
-    (a notebook or REPL, lambdas, closures); see ``pick_start_method``. Fork is
-    refused when CUDA is initialised here. ``"forkserver"`` starts quickest when
-    called often (tests): the server, started by the first such call in this
-    process, imports torch and funcaccel once, and each child is forked from it;
-    it keeps the environment of that first call.
+    >>> launch(abs, -3, num_processes=1)
+    [3]
 
-    Args:
-        fn: the function every rank calls; its return value must pickle.
-        *args: its arguments (pickled for ``"spawn"``/``"forkserver"``).
-        num_processes: how many processes (>= 1).
-        timeout_s: seconds to wait for every rank; on expiry all are killed and a
-            ``TimeoutError`` raised. ``None`` (the default) waits as long as it takes.
-        start_method: force ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        backend: the process group's backend (``"gloo"``; ``"nccl"`` on GPUs), or
-            ``None`` to start no group: ``fn`` starts its own (say, to test a
-            rendezvous) from the variables above.
-
-    Returns:
-        The ranks' return values, indexed by rank.
+    The start method (``"spawn"`` when ``fn`` can be imported by a new
+    interpreter, else ``"fork"``; ``"forkserver"`` on request), the group, the
+    failures and the timeout: docs/launch.md#launch-several-processes-from-a-notebook-or-a-test.
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: a value out of range, or a start method this platform lacks.
         RuntimeError: fork with CUDA or a process group initialised here.
-        LaunchError: a rank raised (the message names it and holds its traceback;
-            its exception, when it pickles, is the ``__cause__``) or died; every
-            other rank is killed at once.
+        LaunchError: a rank raised (its traceback in the message, its exception
+            as ``__cause__`` when it pickles) or died.
         TimeoutError: ``timeout_s`` passed first.
     """
     _check_arguments(fn, num_processes, timeout_s, start_method)

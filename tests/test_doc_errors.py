@@ -521,10 +521,11 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         {},
         mixed_precision="fp8",  # type: ignore[arg-type]
     ),
-    "ValueError: context_from_env: mixed_precision='bf16' but cuda:0 (...) does not "
-    "support bfloat16; ...": _old_gpu,
-    "ValueError: context_from_env: mixed_precision='fp16' on CPU is not possible "
-    "with torch ...": _no_cpu_fp16,
+    "ValueError: context_from_env: mixed_precision must be a mode cuda:0 runs with "
+    "torch ...; got 'bf16'. Tesla K80 has no bfloat16; use mixed_precision='fp16' "
+    "or 'no'.": _old_gpu,
+    "ValueError: context_from_env: mixed_precision must be a mode cpu runs with "
+    "torch ...; got 'fp16'. CPU float16 autocast fails here (...); ...": _no_cpu_fp16,
     "ValueError: build_context: the default rendezvous needs MASTER_ADDR and "
     "MASTER_PORT in the environment; launch with torchrun or pass "
     "InitProcessGroupKwargs(init_method=...).": lambda _: fa.build_context(

@@ -210,7 +210,7 @@ def test_pick_start_method_spawns_importable_functions_and_forks_the_rest() -> N
             {"num_processes": 2, "start_method": "thread"},
             ValueError,
             r"start_method must be one of 'spawn', 'fork', 'forkserver'; got 'thread'\. "
-            r"Pass None",
+            r"Pass None to let launch pick one \(\w+ offers these\)\.",
         ),
     ],
 )

@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Final
 from typing import Literal
 from typing import TypeAlias
 
@@ -41,6 +42,8 @@ __all__ = [
 # How long funcaccel's collectives wait for every rank: a duration, None (the
 # process group's own timeout) or "off".
 CollectiveTimeout: TypeAlias = timedelta | float | Literal["off"] | None
+
+_FROM_ENV: Final = "context_from_env"
 
 
 def check_collective_timeout(caller: str, value: object) -> timedelta | str | None:
@@ -85,23 +88,22 @@ def check_mode(caller: str, value: object) -> None:
 
 
 def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
+    """Check the mode, and that ``device`` can run it (no silent fp32 fallback)."""
     check_mode("context_from_env", mixed_precision)
-    if mixed_precision == "bf16" and device.type == "cuda":
-        if not torch.cuda.is_bf16_supported():
-            msg = (
-                f"context_from_env: mixed_precision='bf16' but {device} "
-                f"({torch.cuda.get_device_name(device)}) does not support bfloat16; "
-                "use mixed_precision='fp16' or 'no'."
-            )
-            raise ValueError(msg)
-    if mixed_precision == "fp16" and device.type == "cpu":
-        problem = _cpu_fp16_problem()
-        if problem is not None:
-            msg = (
-                f"context_from_env: mixed_precision='fp16' on CPU is not possible "
-                f"with torch {torch.__version__}: {problem}; use 'bf16' or 'no'."
-            )
-            raise ValueError(msg)
+    problem, fix = _unsupported(mixed_precision, device)
+    what, where = f"a mode {device} runs with torch {torch.__version__}", _FROM_ENV
+    if problem is not None:
+        fail_value(where, "mixed_precision", mixed_precision, what, problem + fix)
+
+
+def _unsupported(mode: str, device: torch.device) -> tuple[str | None, str]:
+    """Return why ``device`` cannot run ``mode`` (``None`` if it can) and the fix."""
+    if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        return f"{name} has no bfloat16", "; use mixed_precision='fp16' or 'no'."
+    problem = _cpu_fp16_problem() if mode == "fp16" and device.type == "cpu" else None
+    why = None if problem is None else f"CPU float16 autocast fails here ({problem})"
+    return why, "; use mixed_precision='bf16' or 'no'."
 
 
 def _cpu_fp16_problem() -> str | None:
