@@ -50,6 +50,7 @@ from torch import nn
 
 from funcaccel.checkpoint import PendingCheckpoint
 from funcaccel.checkpoint import save_checkpoint
+from funcaccel.checkpoint import save_checkpoint_async
 from funcaccel.checkpoint import save_model
 from funcaccel.context import DistributedContext
 
@@ -217,9 +218,7 @@ def main() -> None:
         return save_checkpoint(ctx, root, models=model, optimizers=opt)
 
     def async_save(root: Path) -> object:
-        return save_checkpoint(
-            ctx, root, models=model, optimizers=opt, asynchronous=True
-        )
+        return save_checkpoint_async(ctx, root, models=model, optimizers=opt)
 
     # As a training loop saves: each save gets the previous one's handle, so it
     # stages into that save's CPU copy. Its wait() ran before (outside the timing),
@@ -228,8 +227,8 @@ def main() -> None:
 
     def async_next_save(root: Path) -> object:
         before = previous.pop() if previous else None
-        pending = save_checkpoint(
-            ctx, root, models=model, optimizers=opt, asynchronous=True, pending=before
+        pending = save_checkpoint_async(
+            ctx, root, models=model, optimizers=opt, pending=before
         )
         previous.append(pending)
         return pending

@@ -49,6 +49,7 @@ from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import funcaccel as fa
+from funcaccel.checkpoint import save_checkpoint_async
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ("<pad>", "<s>", "</s>")
@@ -394,7 +395,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
             ):
                 # Returns once the state is staged; the files are written in the
                 # background while training goes on. The next save completes it.
-                pending = fa.save_checkpoint(
+                pending = save_checkpoint_async(
                     ctx,
                     args.checkpoint_dir,
                     models=model,
@@ -403,7 +404,6 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
                     grad=grad,
                     loader=batch.state,
                     keep_last=2,
-                    asynchronous=True,
                     pending=pending,
                 )
             if stopped:

@@ -1,4 +1,4 @@
-"""save_checkpoint(..., asynchronous=True): staged values, wait(), failures, kills, 2 ranks.
+"""save_checkpoint_async(...): staged values, wait(), failures, kills, 2 ranks.
 
 The background writer is held back with an event where a test must change the
 model while the files are still being written.
@@ -25,6 +25,7 @@ from funcaccel.checkpoint import list_checkpoints
 from funcaccel.checkpoint import load_checkpoint
 from funcaccel.checkpoint import read_checkpoint_meta
 from funcaccel.checkpoint import save_checkpoint
+from funcaccel.checkpoint import save_checkpoint_async
 from funcaccel.checkpoint._async import DeferredCopy
 from funcaccel.context import DistributedContext
 from funcaccel.model import FSDPOptions
@@ -83,8 +84,8 @@ def test_the_checkpoint_holds_the_staged_values_not_later_ones(
     saved_params = _copy(model)
     saved_momentum = [s["momentum_buffer"].clone() for s in opt.state.values()]
     release, threads = _held_writer(monkeypatch)
-    pending = save_checkpoint(
-        ONE, tmp_path, models=model, optimizers=opt, extra={"n": 1}, asynchronous=True
+    pending = save_checkpoint_async(
+        ONE, tmp_path, models=model, optimizers=opt, extra={"n": 1}
     )
     assert isinstance(pending, PendingCheckpoint)
     assert pending.path == tmp_path / "checkpoint-000001"
@@ -112,13 +113,12 @@ def test_an_async_checkpoint_has_the_files_and_hashes_of_a_sync_one(
     sync = save_checkpoint(
         ONE, tmp_path / "sync", models=model, optimizers=opt, save_rng=False
     )
-    pending = save_checkpoint(
+    pending = save_checkpoint_async(
         ONE,
         tmp_path / "async",
         models=model,
         optimizers=opt,
         save_rng=False,
-        asynchronous=True,
     )
     meta_sync = read_checkpoint_meta(sync, verify=True)
     meta_async = read_checkpoint_meta(pending.wait(), verify=True)
@@ -130,7 +130,7 @@ def test_the_next_save_completes_a_pending_one_passed_to_it(
 ) -> None:
     model, opt = _model()
     release, _ = _held_writer(monkeypatch)
-    first = save_checkpoint(ONE, tmp_path, models=model, asynchronous=True)
+    first = save_checkpoint_async(ONE, tmp_path, models=model)
     with pytest.raises(
         RuntimeError,
         match=r"save_checkpoint: .*an asynchronous save into .* \(checkpoint-000001\) is still pending; pass its PendingCheckpoint as save_checkpoint\(\.\.\., pending=handle\)",
@@ -155,24 +155,21 @@ def test_the_next_save_stages_into_the_memory_of_the_one_passed_to_it(
     model, opt = _model()
     _train(model, opt)
     before = _copy(model)
-    first = save_checkpoint(
-        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
-    )
+    first = save_checkpoint_async(ONE, tmp_path, models=model, optimizers=opt)
     memory = _staging(first)
     _train(model, opt)  # the next window changes every parameter and momentum
     after = _copy(model)
-    second = save_checkpoint(
-        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True, pending=first
+    second = save_checkpoint_async(
+        ONE, tmp_path, models=model, optimizers=opt, pending=first
     )
     assert _staging(second) == memory and first._buffers == ()  # reused, handed on
     # Another layout (a second model) cannot reuse it: fresh memory, right values.
     other, _ = _model(seed=1)
-    third = save_checkpoint(
+    third = save_checkpoint_async(
         ONE,
         tmp_path,
         models=[model, other],
         optimizers=opt,
-        asynchronous=True,
         pending=second,
     )
     assert not _staging(third) & memory
@@ -210,10 +207,10 @@ def test_a_background_failure_is_raised_by_wait_and_the_previous_stays_latest(
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(funcaccel.checkpoint._layout, "write_torch_file", failing)
-    pending = save_checkpoint(ONE, tmp_path, models=model, asynchronous=True)
+    pending = save_checkpoint_async(ONE, tmp_path, models=model)
     with pytest.raises(
         RuntimeError,
-        match=r"save_checkpoint: the checkpoint was not written \(the previous one is still the latest\); rank 0: writing into .*checkpoint-000002.tmp failed in the background: OSError: disk full",
+        match=r"save_checkpoint_async: the checkpoint was not written \(the previous one is still the latest\); rank 0: writing into .*checkpoint-000002.tmp failed in the background: OSError: disk full",
     ) as raised:
         pending.wait()
     assert isinstance(raised.value.__cause__, OSError)
@@ -258,9 +255,7 @@ def test_a_step_waits_for_the_copy_and_forward_backward_do_not(
         k: v.clone() for k, v in opt.state[model.get_parameter("0.weight")].items()
     }
     release = _held_copy(monkeypatch)
-    pending = save_checkpoint(
-        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
-    )
+    pending = save_checkpoint_async(ONE, tmp_path, models=model, optimizers=opt)
     assert "staging" in repr(pending)
     # The next micro-step's forward and backward run while the copy is held: the
     # BatchNorm running statistics (no optimizer changes them) were copied already.
@@ -296,25 +291,21 @@ def test_an_in_place_change_before_the_copy_fails_the_save_not_silently(
     _train(model, opt)
     previous = save_checkpoint(ONE, tmp_path, models=model, optimizers=opt)
     release = _held_copy(monkeypatch)
-    pending = save_checkpoint(
-        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
-    )
+    pending = save_checkpoint_async(ONE, tmp_path, models=model, optimizers=opt)
     last_bias = list(model.parameters())[-1]  # the state dict's 2.bias
     with torch.no_grad():
         last_bias.add_(1.0)  # not through the optimizer: nothing waits
     release.set()
     with pytest.raises(
         RuntimeError,
-        match=r"save_checkpoint: the checkpoint was not written \(the previous one is still the latest\); rank 0: staging .*checkpoint-000002.tmp failed in the background: model_0.pt/2.bias changed in place after save_checkpoint\(\.\.\., asynchronous=True\) returned but before the background copy of it had finished, .* or call handle.wait_staged\(\) before changing them otherwise",
+        match=r"save_checkpoint_async: the checkpoint was not written \(the previous one is still the latest\); rank 0: staging .*checkpoint-000002.tmp failed in the background: model_0.pt/2.bias changed in place after save_checkpoint_async returned but before the background copy of it had finished, .* or call handle.wait_staged\(\) before changing them otherwise",
     ):
         pending.wait()
     assert latest_checkpoint(tmp_path) == previous
     assert not opt._optimizer_step_pre_hooks
     # The same change after wait_staged() is safe, and the save holds the old value.
     before = _copy(model)
-    pending = save_checkpoint(
-        ONE, tmp_path, models=model, optimizers=opt, asynchronous=True
-    )
+    pending = save_checkpoint_async(ONE, tmp_path, models=model, optimizers=opt)
     pending.wait_staged()
     with torch.no_grad():
         last_bias.add_(1.0)
@@ -330,7 +321,7 @@ def test_without_optimizers_everything_is_copied_before_the_return(
     release = _held_copy(monkeypatch)  # would hang a deferred copy; none is made
     release.set()
     saved = _copy(model)
-    pending = save_checkpoint(ONE, tmp_path, models=model, asynchronous=True)
+    pending = save_checkpoint_async(ONE, tmp_path, models=model)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # changed at once: the copy was made before the return
@@ -340,11 +331,32 @@ def test_without_optimizers_everything_is_copied_before_the_return(
     assert not opt._optimizer_step_pre_hooks
 
 
-def test_asynchronous_must_be_a_bool(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"keep_last": 0}, ValueError, r"keep_last must be an int >= 1 or None; got 0"),
+        ({"save_rng": 1}, TypeError, r"save_rng must be a bool; got 1 \(int\)"),
+        ({"pending": "handle"}, TypeError, r"pending must be the PendingCheckpoint"),
+    ],
+)
+def test_save_checkpoint_async_checks_its_arguments_under_its_own_name(
+    tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match="^save_checkpoint_async: " + match):
+        save_checkpoint_async(ONE, tmp_path, models=nn.Linear(1, 1), **kwargs)
+    assert not tmp_path.joinpath("checkpoint-000001").exists()
+
+
+@pytest.mark.parametrize("flag", [True, 1])
+def test_save_checkpoint_refuses_asynchronous_and_names_save_checkpoint_async(
+    tmp_path: Path, flag: object
+) -> None:
     with pytest.raises(
-        TypeError, match=r"save_checkpoint: asynchronous must be a bool; got 1 \(int\)"
+        ValueError,
+        match=r"save_checkpoint: asynchronous must be False; got (True|1)\. Call "
+        r"save_checkpoint_async\(ctx, directory, \.\.\.\) for a background save",
     ):
-        save_checkpoint(ONE, tmp_path, models=nn.Linear(1, 1), asynchronous=1)  # type: ignore[call-overload]
+        save_checkpoint(ONE, tmp_path, models=nn.Linear(1, 1), asynchronous=flag)  # type: ignore[arg-type]
     assert not tmp_path.joinpath("checkpoint-000001").exists()
 
 
@@ -363,9 +375,7 @@ def _async_save_then_die(rank: int, world: int, tmp: Path, root: Path) -> None:
         raise AssertionError("unreachable")
 
     funcaccel.checkpoint._layout.write_torch_file = dying_write
-    pending = save_checkpoint(
-        ONE, root, models=model, extra={"which": "second"}, asynchronous=True
-    )
+    pending = save_checkpoint_async(ONE, root, models=model, extra={"which": "second"})
     _train(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=100)
     pending.wait()
 
@@ -410,9 +420,7 @@ def _ddp_async(ctx: DistributedContext, root: Path, fsdp: bool) -> dict[str, obj
         return write_data(self, *args)
 
     FileSystemWriter.write_data = held  # type: ignore[method-assign, assignment]
-    pending = save_checkpoint(
-        ctx, root, models=model, optimizers=opt, asynchronous=True
-    )
+    pending = save_checkpoint_async(ctx, root, models=model, optimizers=opt)
     _train(model, opt, steps=2)  # every rank trains on before waiting
     trained.set()
     path = pending.wait()

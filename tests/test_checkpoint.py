@@ -367,7 +367,7 @@ def test_save_rejects_bad_arguments(
 
 def test_save_and_load_reject_a_context_that_is_not_one(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"save_checkpoint: ctx must be a Distr"):
-        save_checkpoint("ctx", tmp_path)  # type: ignore[call-overload]
+        save_checkpoint("ctx", tmp_path)  # type: ignore[arg-type]
     two = rank_ctx(2)
     with pytest.raises(RuntimeError, match=r"load_checkpoint: ctx has num_processes=2"):
         load_checkpoint(two, tmp_path)

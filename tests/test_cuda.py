@@ -53,7 +53,7 @@ from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.batch_size import find_executable_batch_size
 from funcaccel.checkpoint import load_checkpoint
-from funcaccel.checkpoint import save_checkpoint
+from funcaccel.checkpoint import save_checkpoint_async
 from funcaccel.collectives import gather
 from funcaccel.collectives import gather_for_metrics
 from funcaccel.collectives import reduce
@@ -316,9 +316,7 @@ def test_an_async_checkpoint_stages_cuda_tensors_in_pinned_memory(
     opt_state = copy.deepcopy(opt.state_dict())
     tensors = [*net.parameters(), *(v for s in opt.state.values() for v in s.values())]
     on_gpu = {t.untyped_storage().data_ptr() for t in tensors if t.is_cuda}
-    first = save_checkpoint(
-        ctx, tmp_path, models=net, optimizers=opt, asynchronous=True
-    )
+    first = save_checkpoint_async(ctx, tmp_path, models=net, optimizers=opt)
     memory = {b.data_ptr() for b in first._buffers}
     pinned = [_staged_in_pinned_memory(b) for b in first._buffers]
     # 4 parameters and 8 moments (and Adam's steps, if this torch's Adam is fused).
@@ -335,8 +333,8 @@ def test_an_async_checkpoint_stages_cuda_tensors_in_pinned_memory(
         assert loaded[index]["exp_avg"].device == CUDA0
         assert all(torch.equal(loaded[index][k], v) for k, v in state.items())
     # The next save stages into the same (pinned) memory.
-    second = save_checkpoint(
-        ctx, tmp_path, models=net, optimizers=opt, asynchronous=True, pending=first
+    second = save_checkpoint_async(
+        ctx, tmp_path, models=net, optimizers=opt, pending=first
     )
     assert {b.data_ptr() for b in second._buffers} == memory
     assert second.wait() == tmp_path / "checkpoint-000002"

@@ -20,6 +20,7 @@ from funcaccel.checkpoint._save_load import LoadedState
 from funcaccel.checkpoint._save_load import load_checkpoint
 from funcaccel.checkpoint._save_load import read_checkpoint_meta
 from funcaccel.checkpoint._save_load import save_checkpoint
+from funcaccel.checkpoint._save_load import save_checkpoint_async
 
 __all__ = [
     "CheckpointMeta",
@@ -32,6 +33,7 @@ __all__ = [
     "PendingCheckpoint",
     "read_checkpoint_meta",
     "save_checkpoint",
+    "save_checkpoint_async",
     "save_model",
     "SCHEMA_VERSION",
 ]

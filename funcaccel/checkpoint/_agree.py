@@ -11,25 +11,45 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from typing import Final
 from typing import TypeVar
 
 import torch.distributed as dist
 
 from funcaccel._checks import check_type
-from funcaccel._checks import summary
+from funcaccel._checks import fail_value
 from funcaccel._dist_types import is_fsdp_module
 from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint._deepspeed_state import check_engine_format
 from funcaccel.checkpoint._manifest import CheckpointMeta
 from funcaccel.checkpoint._manifest import check_json_value
 from funcaccel.checkpoint._manifest import read_manifest
-from funcaccel.checkpoint._members import DAMAGED
+from funcaccel.checkpoint._members import fail_checkpoint
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
 from funcaccel.model import unwrap_model
 
 T = TypeVar("T")
+_MSG_OPEN_WINDOW: Final = (
+    "{caller}: grad has an open accumulation window (micro_step={grad.micro_step} of "
+    "accumulation_steps={grad.accumulation_steps}); its gradients are not part of a "
+    "checkpoint, so a resume would lose them. Save right after an optimizer step, "
+    "when grad.sync_gradients is True."
+)
+# caller, root, label, saved count, passed count
+_MSG_COUNTS: Final = (
+    "{0}: {1} holds {2}={3}, but {2}={4} was passed; pass the same {2} as when it "
+    "was saved, in that order."
+)
+_UNLISTED: Final = (
+    "the manifest of {} does not list {}, which the load reads, so it was never checked"
+)
+_MSG_WHOLE: Final = (
+    "{caller}: {root} holds whole (unsharded) state dicts, but models[{index}] is "
+    "sharded by FSDP2; load it into the unsharded model, or resume from a checkpoint "
+    "saved with FSDP2."
+)
 
 
 def _all_gather(ctx: DistributedContext, value: T) -> list[T]:
@@ -40,12 +60,34 @@ def _all_gather(ctx: DistributedContext, value: T) -> list[T]:
     return gathered
 
 
-def _raise_failures(errors: Sequence[str | None], what: str, caller: str) -> None:
-    """Raise one error naming every rank that failed (none waits for the others)."""
+def _raise_failures(
+    errors: Sequence[str | None],
+    what: str,
+    caller: str,
+    kind: type[Exception] = RuntimeError,
+) -> None:
+    """Raise one ``kind`` naming every rank that failed (none waits for the others)."""
     failures = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failures:
-        msg = f"{caller}: {what}; " + "; ".join(failures)
-        raise RuntimeError(msg)
+        raise kind(f"{caller}: {what}; " + "; ".join(failures))
+
+
+def _raise_any(
+    ctx: DistributedContext,
+    problem: ValueError | None,
+    what: str,
+    caller: str,
+    kind: type[Exception] = RuntimeError,
+) -> None:
+    """Raise ``problem`` on its rank, and on the others a ``kind`` naming it (collective).
+
+    So every rank raises when any rank found a problem, before a collective that
+    would wait for it.
+    """
+    errors = _all_gather(ctx, None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    _raise_failures(errors, what, caller, kind)
 
 
 def _check_save_values(
@@ -54,16 +96,9 @@ def _check_save_values(
     check_type(caller, "grad", grad, GradState, optional=True)
     check_type(caller, "loader", loader, LoaderState, optional=True)
     if isinstance(grad, GradState) and grad.micro_step != 0:
-        msg = (
-            f"{caller}: grad has an open accumulation window (micro_step="
-            f"{grad.micro_step} of accumulation_steps={grad.accumulation_steps}); its "
-            "gradients are not part of a checkpoint, so a resume would lose them. Save "
-            "right after an optimizer step, when grad.sync_gradients is True."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_OPEN_WINDOW.format(caller=caller, grad=grad))
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-        msg = f"{caller}: keep_last must be an int >= 1 or None; got {summary(keep_last)}."
-        raise ValueError(msg)
+        fail_value(caller, "keep_last", keep_last, "an int >= 1 or None")
     what = "a dict of JSON values or None"
     extra = check_type(caller, "extra", extra, Mapping, what=what, optional=True)
     copied: dict[str, Any] = check_json_value(dict(extra or {}), "extra", caller)
@@ -85,27 +120,19 @@ def _check_counts(
         ("objects", sorted(meta.objects), sorted(objs.named)),
     ):
         if saved != passed:
-            msg = (
-                f"{caller}: {root} holds {label}={saved}, but {label}={passed} was "
-                f"passed; pass the same {label} as when it was saved, in that order."
-            )
-            raise ValueError(msg)
+            raise ValueError(_MSG_COUNTS.format(caller, root, label, saved, passed))
     for name in _files_read(meta, objs):
         if name not in meta.files:
-            msg = f"{caller}: the manifest of {root} does not list {name}, which the load reads, so it was never checked; {DAMAGED}."
-            raise ValueError(msg)
+            fail_checkpoint(caller, _UNLISTED.format(root, name))
     check_engine_format(
         meta.state_format, meta.world_size, objs.models, world, root, caller
     )
     if meta.state_format == "torch":
         for index, model in enumerate(objs.models):
             if is_fsdp_module(unwrap_model(model)):
-                msg = (
-                    f"{caller}: {root} holds whole (unsharded) state dicts, but "
-                    f"models[{index}] is sharded by FSDP2; load it into the unsharded "
-                    "model, or resume from a checkpoint saved with FSDP2."
+                raise ValueError(
+                    _MSG_WHOLE.format(caller=caller, root=root, index=index)
                 )
-                raise ValueError(msg)
 
 
 def _files_read(meta: CheckpointMeta, objs: _formats.StateObjects) -> list[str]:
@@ -137,10 +164,6 @@ def _read_checked(
     except ValueError as failure:
         error = failure
     # Every rank learns of any failure before the collective DCP load can start.
-    errors = _all_gather(ctx, None if error is None else str(error))
-    if error is not None:
-        raise error
-    errors[ctx.process_index] = None
-    _raise_failures(errors, f"{root} cannot be loaded", caller)
+    _raise_any(ctx, error, f"{root} cannot be loaded", caller)
     assert meta is not None
     return meta

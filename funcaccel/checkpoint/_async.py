@@ -1,6 +1,6 @@
 """Asynchronous checkpoints: staged in CPU memory, written in a thread, committed in wait().
 
-``save_checkpoint(..., asynchronous=True)`` copies the state to be written
+``save_checkpoint_async`` copies the state to be written
 (``stage``: a deep copy, every tensor cloned onto the CPU) and returns a
 ``PendingCheckpoint`` while a background thread writes and fsyncs this rank's
 files. The CPU tensors that only the saved optimizers' steps change
@@ -14,7 +14,7 @@ and moves ``latest``, exactly as a synchronous save ends. The thread never
 communicates, so it cannot interleave with the training loop's collectives.
 
 No registry of pending saves is kept: the caller threads the handle, passing it
-to the next ``save_checkpoint(..., pending=handle)`` (which completes it first)
+to the next ``save_checkpoint_async(..., pending=handle)`` (which completes it first)
 or calling ``handle.wait()``. While a save is pending, rank 0 keeps a marker file
 naming this host and process in its temporary directory, so that a next save
 into the same directory that forgot the handle is refused (it would otherwise
@@ -64,6 +64,12 @@ __all__ = [
 
 Finish = Callable[[dict[str, FileEntry], str | None], Path]
 _MARKER: Final = ".async-save-"
+_MSG_TORN: Final = (
+    "{} changed in place after save_checkpoint_async returned but before the "
+    "background copy of it had finished, so the copy may mix old and new values; "
+    "change the saved tensors only through the saved optimizers' step() (which "
+    "waits for the copy), or call handle.wait_staged() before changing them otherwise"
+)
 
 
 def _marker_name() -> str:
@@ -134,7 +140,7 @@ def optimizer_storages(
 
 
 class DeferredCopy:
-    """The part of a staged copy made after ``save_checkpoint`` has returned.
+    """The part of a staged copy made after ``save_checkpoint_async`` has returned.
 
     Holds pairs of (source storage's bytes, staged bytes) and, for every tensor
     of the state in those storages, its version counter at the save: ``run()``
@@ -165,17 +171,8 @@ class DeferredCopy:
         ]
         self._pairs, self._versions = [], []
         if changed:
-            shown = ", ".join(changed[:5]) + (
-                f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-            )
-            msg = (
-                f"{shown} changed in place after save_checkpoint(..., asynchronous=True) "
-                "returned but before the background copy of it had finished, so the copy "
-                "may mix old and new values; change the saved tensors only through the "
-                "saved optimizers' step() (which waits for the copy), or call "
-                "handle.wait_staged() before changing them otherwise"
-            )
-            raise RuntimeError(msg)
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise RuntimeError(_MSG_TORN.format(", ".join(changed[:5]) + more))
 
 
 def stage(
@@ -251,7 +248,7 @@ def stage(
 class PendingCheckpoint:
     """A checkpoint whose files are being written in the background.
 
-    Returned by ``save_checkpoint(..., asynchronous=True)`` on every rank. Until
+    Returned by ``save_checkpoint_async`` on every rank. Until
     ``wait()`` has run (on every rank), the checkpoint is not complete and
     ``latest`` still names the previous one.
 
@@ -262,9 +259,7 @@ class PendingCheckpoint:
     def __init__(
         self,
         ctx: DistributedContext,
-        root: Path,
         path: Path,
-        temporary: Path,
         write: Callable[[], dict[str, FileEntry]],
         finish: Finish,
         *,
@@ -277,7 +272,6 @@ class PendingCheckpoint:
         self.path = path
         self._buffers = buffers  # the staged copy's memory, for the next save
         self._ctx = ctx
-        self._root = root
         self._finish = finish
         self._entries: dict[str, FileEntry] = {}
         self._error = error  # staging failed: nothing to write
@@ -285,7 +279,7 @@ class PendingCheckpoint:
         self._outcome: Path | BaseException | None = None
         self._staged = threading.Event()
         self._sharded_done = sharded_done  # DCP's own background save, if any
-        where = path.parent / ("." + path.name + ".tmp")
+        where = path.parent / f".{path.name}.tmp"  # the temporary directory
 
         def run() -> None:
             try:
@@ -314,7 +308,7 @@ class PendingCheckpoint:
         self._thread = threading.Thread(
             target=run, name=f"funcaccel-save-{path.name}", daemon=False
         )
-        self._marker = temporary / _marker_name()
+        self._marker = where / _marker_name()
         if ctx.is_main_process and self._error is None:
             self._marker.touch()
         self._thread.start()
@@ -344,7 +338,7 @@ class PendingCheckpoint:
         """Finish the save: join the writer, then commit (collective, every rank).
 
         Every rank must call it, or pass the handle to the next
-        ``save_checkpoint(..., pending=handle)``, which calls it. A second call returns (or raises) as the first.
+        ``save_checkpoint_async(..., pending=handle)``, which calls it. A second call returns (or raises) as the first.
 
         Returns:
             The complete checkpoint's path, now named by ``directory/latest``.

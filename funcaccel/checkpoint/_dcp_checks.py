@@ -25,6 +25,7 @@ from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.checkpoint._members import check_member_name
+from funcaccel.checkpoint._members import fail_checkpoint
 
 __all__ = ["check_dcp_metadata", "check_dcp_value"]
 
@@ -92,10 +93,7 @@ def check_dcp_metadata(
         raise ValueError(msg) from error
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
-        msg = (
-            f"{caller}: {where} holds {summary(metadata)}, not DCP metadata; {DAMAGED}."
-        )
-        raise ValueError(msg)
+        fail_checkpoint(caller, f"{where} holds {summary(metadata)}, not DCP metadata")
     given = f"the DCP metadata {where}"
     for info in storage.values():
         name = check_member_name(

@@ -22,6 +22,7 @@ from torch import nn
 
 from funcaccel._dist_types import is_deepspeed_engine
 from funcaccel.checkpoint import _layout
+from funcaccel.checkpoint._members import fail_checkpoint
 
 __all__ = [
     "ENGINE_DIR",
@@ -35,6 +36,30 @@ __all__ = [
 
 ENGINE_DIR: Final = "deepspeed"
 _TAG: Final = "state"  # one tag per funcaccel checkpoint directory
+_SAVED_THERE: Final = "pass the engine saved there"
+_MSG_ALONE: Final = (
+    "{caller}: a DeepSpeed engine must be the only model of a checkpoint; got "
+    "{count} models. Save other models in a separate checkpoint."
+)
+_MSG_OWN_OPT: Final = (
+    "{caller}: a DeepSpeed engine saves and loads its own optimizer and scheduler "
+    "(the ones given to wrap_model); pass optimizers=() with it, got {count}."
+)
+_MSG_NEEDS_ENGINE: Final = (
+    "{caller}: {root} holds a DeepSpeed engine's checkpoint; pass the engine "
+    "(wrap_model(..., deepspeed=...)) as the only model to load it, or export the "
+    "weights with save_model from a run that has the engine."
+)
+_MSG_NOT_ENGINE: Final = (
+    "{caller}: models is a DeepSpeed engine, but {root} holds a {state_format!r} "
+    "checkpoint, not an engine's; load it into the plain model before wrap_model, "
+    "or resume from a checkpoint saved with the engine."
+)
+_MSG_WORLD: Final = (
+    "{caller}: {root} holds ZeRO partitions of {saved} processes, but this run has "
+    "{world}; a DeepSpeed engine's checkpoint loads only on the world size that "
+    "saved it."
+)
 
 
 def check_engine_objects(
@@ -48,18 +73,9 @@ def check_engine_objects(
     if not any(is_deepspeed_engine(m) for m in models):
         return False
     if len(models) != 1:
-        msg = (
-            f"{caller}: a DeepSpeed engine must be the only model of a checkpoint; "
-            f"got {len(models)} models. Save other models in a separate checkpoint."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_ALONE.format(caller=caller, count=len(models)))
     if optimizers:
-        msg = (
-            f"{caller}: a DeepSpeed engine saves and loads its own optimizer and "
-            f"scheduler (the ones given to wrap_model); pass optimizers=() with it, "
-            f"got {len(optimizers)}."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_OWN_OPT.format(caller=caller, count=len(optimizers)))
     return True
 
 
@@ -81,27 +97,13 @@ def check_engine_format(
             size differs from the saving one.
     """
     engine = len(models) == 1 and is_deepspeed_engine(models[0])
+    where = {"caller": caller, "root": root, "state_format": state_format}
     if state_format == "deepspeed" and not engine:
-        msg = (
-            f"{caller}: {root} holds a DeepSpeed engine's checkpoint; pass the engine "
-            "(wrap_model(..., deepspeed=...)) as the only model to load it, or export "
-            "the weights with save_model from a run that has the engine."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_NEEDS_ENGINE.format(**where))
     if state_format != "deepspeed" and engine:
-        msg = (
-            f"{caller}: models is a DeepSpeed engine, but {root} holds a "
-            f"{state_format!r} checkpoint, not an engine's; load it into the plain "
-            "model before wrap_model, or resume from a checkpoint saved with the engine."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_NOT_ENGINE.format(**where))
     if engine and saved_world != world:
-        msg = (
-            f"{caller}: {root} holds ZeRO partitions of {saved_world} processes, but "
-            f"this run has {world}; a DeepSpeed engine's checkpoint loads only on the "
-            "world size that saved it."
-        )
-        raise ValueError(msg)
+        raise ValueError(_MSG_WORLD.format(**where, saved=saved_world, world=world))
 
 
 def save_engine(engine: Any, directory: Path) -> None:
@@ -135,8 +137,9 @@ def load_engine(engine: Any, directory: Path, caller: str) -> None:
     """
     loaded, _ = engine.load_checkpoint(str(directory), tag=_TAG)
     if loaded is None:
-        msg = f"{caller}: {directory} holds no DeepSpeed engine checkpoint; pass the engine saved there."
-        raise ValueError(msg)
+        fail_checkpoint(
+            caller, f"{directory} holds no DeepSpeed engine checkpoint", _SAVED_THERE
+        )
 
 
 @contextlib.contextmanager

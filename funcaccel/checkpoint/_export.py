@@ -31,11 +31,13 @@ from funcaccel._dist_types import is_dtensor
 from funcaccel._guard import guard_collective
 from funcaccel.checkpoint import _export_files
 from funcaccel.checkpoint._agree import _all_gather
+from funcaccel.checkpoint._agree import _raise_any
 from funcaccel.checkpoint._agree import _raise_failures
 from funcaccel.checkpoint._deepspeed_state import gathered_ctx
 from funcaccel.checkpoint._export_dir import commit_export
 from funcaccel.checkpoint._export_dir import export_source
 from funcaccel.checkpoint._export_dir import prepare_export
+from funcaccel.checkpoint._export_plan import ExportEntry
 from funcaccel.checkpoint._export_plan import index_name
 from funcaccel.checkpoint._export_plan import parse_shard_size
 from funcaccel.checkpoint._export_plan import plan_export
@@ -49,6 +51,13 @@ from funcaccel.model import unwrap_model
 __all__ = ["load_model", "save_model"]
 
 _LISTED: Final = 10
+_EXPORT_FAILED: Final = (
+    "the export was not written (the previous one, if any, is unchanged)"
+)
+_DIFFERENT_MODELS: Final = (
+    "the ranks' models have different state dicts (names, shapes or dtypes); every "
+    "rank must pass its replica or shards of the same model."
+)
 
 
 def _check_call(ctx: object, model: object, directory: object, caller: str) -> Path:
@@ -86,37 +95,22 @@ def save_model(
 ) -> Path:
     """Export ``model``'s full weights into ``directory`` (collective; rank 0 writes).
 
-    Every rank calls it; ``model`` is not changed. The unwrapped state dict is
-    written as transformers writes it: ``model.safetensors`` when it fits in
+    Every rank calls it; ``model`` is not changed. The unwrapped, unsharded state
+    dict is written as transformers' ``save_pretrained`` writes it, for inference
+    and ``from_pretrained``: ``model.safetensors`` when it fits in
     ``max_shard_size``, else ``model-00001-of-0000N.safetensors`` ... and
-    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``);
-    ``safe_serialization=False`` writes ``pytorch_model.bin`` (or its shards and
-    ``pytorch_model.bin.index.json``) with ``torch.save``, weights only.
-
-    A DeepSpeed engine's module is exported; under ZeRO-3 its partitioned
-    parameters are gathered first, the whole model on every rank.
-    FSDP2 parameters are gathered one tensor at a time (``DTensor.full_tensor()``
-    on every rank) and rank 0 holds at most one file's tensors at once, writing
-    each file as it fills. Tied weights (one tensor under two names, e.g.
-    ``lm_head.weight`` and ``embed_tokens.weight``) are written once, under the
-    first name in state-dict order, as transformers does; loading into a model
-    that ties them fills both. With 2 FSDP2 ranks and ``max_shard_size="1GB"`` on a
-    2.5 GB model, both ranks gather each tensor, and rank 0 writes
-    ``model-00001-of-00003.safetensors`` once its first 1 GB is gathered, then
-    the next two files and the index.
-
-    The export replaces ``directory``'s previous weights atomically: it is
-    written into ``.<name>.export.tmp`` beside it, then swapped in, so a process
-    killed at any moment leaves the previous export (or the new one) whole and
-    loadable. Other files in ``directory`` (``config.json``, a tokenizer) are
-    kept. Like ``save_file`` and ``save_pretrained`` it returns with the data in
-    the operating system's cache; ``durable=True`` also fsyncs every file and
-    directory before and after the swap, so that the export survives a power loss
-    or an operating-system crash too, at the cost of waiting for the disk.
+    ``model.safetensors.index.json``. FSDP2 parameters are gathered one tensor at
+    a time and rank 0 holds at most one file's tensors at once: with 2 FSDP2 ranks
+    and ``max_shard_size="1GB"`` on a 2.5 GB model, both ranks gather each tensor
+    and rank 0 writes ``model-00001-of-00003.safetensors`` once its first 1 GB is
+    gathered, then the next two files and the index. The new weights replace the
+    previous ones atomically; other files in ``directory`` (``config.json``) are
+    kept. Tied weights, DeepSpeed engines, ``.bin`` files and durability:
+    docs/checkpoint.md#exporting-weights-save_model-and-load_model.
 
     Args:
         ctx: the distributed context.
-        model: the model, plain, DDP-wrapped or sharded by FSDP2.
+        model: the model, plain, DDP-wrapped, sharded by FSDP2, or a DeepSpeed engine.
         directory: where the export goes, seen by rank 0 (created if missing).
         max_shard_size: the largest file, in bytes or as a string: ``"5GB"`` is
             5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30 (also KB, MB, KiB, MiB).
@@ -153,12 +147,23 @@ def save_model(
     state = module.state_dict()
     entries, _ = plan_export(module, state, caller=caller)
     shards = plan_shards(entries, limit)
-    names = shard_names(len(shards), safe=safe)
+    files = dict(zip(shard_names(len(shards), safe=safe), shards, strict=True))
     guard_collective(ctx, caller)
     if any(plan != entries for plan in _all_gather(ctx, entries)):
-        msg = f"{caller}: the ranks' models have different state dicts (names, shapes or dtypes); every rank must pass its replica or shards of the same model."
-        raise ValueError(msg)
-    failed = "the export was not written (the previous one, if any, is unchanged)"
+        raise ValueError(f"{caller}: {_DIFFERENT_MODELS}")
+    temporary = _prepare(ctx, root, caller)
+    error = _write_files(ctx, state, files, temporary, safe=safe, durable=durable)
+    if temporary is not None:
+        error = _complete(root, temporary, files, error, safe=safe, durable=durable)
+    _raise_failures(_all_gather(ctx, error), _EXPORT_FAILED, caller)
+    return root
+
+
+def _prepare(ctx: DistributedContext, root: Path, caller: str) -> Path | None:
+    """Create the export's temporary directory on rank 0 (collective): it, or None.
+
+    Raises ``RuntimeError`` on every rank when rank 0 cannot.
+    """
     temporary: Path | None = None
     error: str | None = None
     if ctx.is_main_process:
@@ -166,11 +171,27 @@ def save_model(
             temporary = prepare_export(root)
         except OSError as failure:
             error = f"cannot prepare {root}: {failure}"
-    _raise_failures(_all_gather(ctx, error), failed, caller)
-    # Without sharded tensors only rank 0 has work; with them every rank gathers
-    # each tensor in plan order, and the ranks agree after each file to stop together.
-    sharded = any(entry.sharded for entry in entries)
-    for shard, name in zip(shards, names, strict=True):
+    _raise_failures(_all_gather(ctx, error), _EXPORT_FAILED, caller)
+    return temporary
+
+
+def _write_files(
+    ctx: DistributedContext,
+    state: dict[str, torch.Tensor],
+    files: dict[str, list[ExportEntry]],
+    temporary: Path | None,
+    *,
+    safe: bool,
+    durable: bool,
+) -> str | None:
+    """Gather each file's tensors and write it on rank 0; return why it failed, if so.
+
+    Without sharded tensors only rank 0 has work; with them every rank gathers
+    each tensor in plan order, and the ranks agree after each file to stop together.
+    """
+    sharded = any(entry.sharded for shard in files.values() for entry in shard)
+    error: str | None = None
+    for name, shard in files.items():
         if not (sharded or ctx.is_main_process):
             break
         tensors: dict[str, torch.Tensor] = {}
@@ -189,27 +210,36 @@ def save_model(
         del tensors
         if sharded and any(e is not None for e in _all_gather(ctx, error)):
             break
-    if temporary is not None:
-        try:
-            if error is None and len(shards) > 1:
-                weight_map = {
-                    e.name: n for s, n in zip(shards, names, strict=True) for e in s
-                }
-                total = sum(e.nbytes for e in entries)
-                _export_files.write_index(
-                    temporary / index_name(safe=safe),
-                    weight_map,
-                    total,
-                    durable=durable,
-                )
-            if error is None:
-                commit_export(root, temporary, durable=durable)
-        except OSError as failure:
-            error = f"committing {temporary} into {root} failed: {failure}"
-        if error is not None:
-            shutil.rmtree(temporary, ignore_errors=True)
-    _raise_failures(_all_gather(ctx, error), failed, caller)
-    return root
+    return error
+
+
+def _complete(
+    root: Path,
+    temporary: Path,
+    files: dict[str, list[ExportEntry]],
+    error: str | None,
+    *,
+    safe: bool,
+    durable: bool,
+) -> str | None:
+    """Rank 0: write the index (several files) and swap the export into ``root``.
+
+    After a failure, before or here, the temporary directory is deleted instead.
+    """
+    try:
+        if error is None and len(files) > 1:
+            weight_map = {e.name: name for name, s in files.items() for e in s}
+            total = sum(e.nbytes for s in files.values() for e in s)
+            _export_files.write_index(
+                temporary / index_name(safe=safe), weight_map, total, durable=durable
+            )
+        if error is None:
+            commit_export(root, temporary, durable=durable)
+    except OSError as failure:
+        error = f"committing {temporary} into {root} failed: {failure}"
+    if error is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return error
 
 
 def _listed(items: list[str]) -> str:
@@ -324,14 +354,7 @@ def load_model(
             problem = ValueError(mismatch)
     except ValueError as failure:
         problem = failure
-    errors = _all_gather(ctx, None if problem is None else str(problem))
-    if problem is not None:
-        raise problem
-    if any(e is not None for e in errors):
-        msg = f"{caller}: {root} cannot be loaded; " + "; ".join(
-            f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None
-        )
-        raise ValueError(msg)
+    _raise_any(ctx, problem, f"{root} cannot be loaded", caller, ValueError)
     state = module.state_dict()
     loaded: list[str] = []
     for file in dict.fromkeys(entry.file for entry in saved.values()):

@@ -20,6 +20,7 @@ import pickle
 import zipfile
 from pathlib import Path
 from typing import Final
+from typing import cast
 
 import safetensors
 import safetensors.torch
@@ -81,6 +82,13 @@ def _damaged(caller: str, what: str) -> ValueError:
     return ValueError(f"{caller}: {what}; {_BAD_FILE}.")
 
 
+def _is_str_dict(value: object, kind: type) -> bool:
+    """Whether ``value`` is a dict of str keys to ``kind`` values."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, kind) for k, v in value.items()
+    )
+
+
 def _read_index(root: Path, name: str, caller: str) -> dict[str, str]:
     path = member_path(root, name, caller=caller)
     problem = regular_file(path)
@@ -93,13 +101,11 @@ def _read_index(root: Path, name: str, caller: str) -> dict[str, str]:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise _damaged(caller, f"{path} is not JSON ({error})") from error
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not _is_str_dict(weight_map, str):
         raise _damaged(
             caller, f"{path} has no weight_map of tensor names to file names"
         )
-    return weight_map
+    return cast("dict[str, str]", weight_map)
 
 
 def _headers(path: Path, *, safe: bool, caller: str) -> dict[str, tuple[int, ...]]:
@@ -195,8 +201,6 @@ def read_shard(path: Path, *, safe: bool, caller: str) -> dict[str, torch.Tensor
             caller,
             f"{path} cannot be read as a weights-only torch file ({summary(str(error), 200)})",
         ) from error
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
+    if not _is_str_dict(state, torch.Tensor):
         raise _damaged(caller, f"{path} does not hold a dict of tensors")
-    return state
+    return cast("dict[str, torch.Tensor]", state)

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import is_int
-from funcaccel._checks import summary
 from funcaccel._dist_types import is_dtensor
 
 __all__ = [
@@ -52,6 +52,7 @@ EXPORT_FILE_RE: Final = re.compile(
 _SIZE_RE: Final = re.compile(r"(\d+)\s*([KMG])(I?)(B)", re.IGNORECASE)
 _UNITS: Final = MappingProxyType({"K": 10**3, "M": 10**6, "G": 10**9})
 _BINARY_UNITS: Final = MappingProxyType({"K": 2**10, "M": 2**20, "G": 2**30})
+_SIZE_FORMS: Final = "an int (bytes) or a size like '5GB', '500MB', '10KB' or '2GiB'"
 
 
 def parse_shard_size(value: object, *, caller: str) -> int:
@@ -74,11 +75,7 @@ def parse_shard_size(value: object, *, caller: str) -> int:
     elif isinstance(value, str):
         match = _SIZE_RE.fullmatch(value.strip())
         if match is None:
-            msg = (
-                f"{caller}: max_shard_size must be an int (bytes) or a size like "
-                f"'5GB', '500MB', '10KB' or '2GiB'; got {summary(value)}."
-            )
-            raise ValueError(msg)
+            fail_value(caller, "max_shard_size", value, _SIZE_FORMS)
         digits, prefix, binary, last = match.groups()
         prefix = prefix.upper()
         if binary:
@@ -89,8 +86,9 @@ def parse_shard_size(value: object, *, caller: str) -> int:
         what = "an int (bytes) or a str like '5GB'"
         fail_type(caller, "max_shard_size", value, what)
     if size < 1:
-        msg = f"{caller}: max_shard_size must be at least 1 byte; got {summary(value)}. Use e.g. '5GB'."
-        raise ValueError(msg)
+        fail_value(
+            caller, "max_shard_size", value, "at least 1 byte", "Use e.g. '5GB'."
+        )
     return size
 
 

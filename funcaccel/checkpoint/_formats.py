@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+from typing import Final
 from typing import Literal
 from typing import TypeAlias
 from typing import TypeVar
@@ -77,11 +78,19 @@ __all__ = [
     "save_sharded",
     "state_files",
     "write_files",
-    "write_state_files",
 ]
 
 StateFormat: TypeAlias = Literal["torch", "dcp", "deepspeed"]
 T = TypeVar("T")
+_MSG_KEY: Final = (
+    "{}: objects keys name files and must be letters, digits and '_'; got {!r}."
+)
+# caller, the optimizer's index, how many models
+_MSG_UNPAIRED: Final = (
+    "{0}: optimizers[{1}] updates parameters that are not all in one of the {2} "
+    "model(s) passed; sharded (DCP) checkpoints save an optimizer with its model, so "
+    "pass every model the optimizers update, and use one optimizer per model."
+)
 
 
 def _as_tuple(
@@ -143,8 +152,7 @@ def check_state_objects(
     named = dict(objects or {})
     for key, value in named.items():
         if not isinstance(key, str) or not key.replace("_", "").isalnum():
-            msg = f"{caller}: objects keys name files and must be letters, digits and '_'; got {key!r}."
-            raise ValueError(msg)
+            raise ValueError(_MSG_KEY.format(caller, key))
         if not isinstance(value, Stateful):
             what = "an object with state_dict()/load_state_dict()"
             fail_type(caller, f"objects[{key!r}]", value, what)
@@ -215,13 +223,7 @@ def pair_optimizers(
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         found = [i for i, owned in enumerate(owners) if params <= owned]
         if not found:
-            msg = (
-                f"{caller}: optimizers[{index}] updates parameters that are not all in "
-                f"one of the {len(models)} model(s) passed; sharded (DCP) checkpoints "
-                "save an optimizer with its model, so pass every model the optimizers "
-                "update, and use one optimizer per model."
-            )
-            raise ValueError(msg)
+            raise ValueError(_MSG_UNPAIRED.format(caller, index, len(models)))
         pairs.append(found[0])
     return tuple(pairs)
 
@@ -238,33 +240,33 @@ def _single_process_warning_ignored() -> Iterator[None]:
 
 
 def _dcp_state(
-    models: Sequence[nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-    pairs: Sequence[int],
-) -> dict[str, Any]:
+    objs: StateObjects, caller: str
+) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """Return the state DCP saves or loads in place, and each optimizer's model."""
     # torch.distributed.checkpoint takes seconds to import: only sharded models
     # need it, so it is imported here rather than with funcaccel.
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    models, optimizers = objs.models, objs.optimizers
+    pairs = pair_optimizers(models, optimizers, caller=caller)
     state: dict[str, Any] = {}
     for index, model in enumerate(models):
         state[f"model_{index}"] = get_model_state_dict(model)
     for index, (optimizer, owner) in enumerate(zip(optimizers, pairs, strict=True)):
         state[f"optimizer_{index}"] = get_optimizer_state_dict(models[owner], optimizer)
-    return state
+    return state, pairs
 
 
 def save_sharded(
     ctx: DistributedContext,
     directory: Path,
-    models: Sequence[nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
+    objs: StateObjects,
     *,
     caller: str,
     asynchronous: bool = False,
 ) -> Callable[[], str | None]:
-    """Write the models' and optimizers' (sharded) state to ``directory`` with DCP.
+    """Write ``objs``' models' and optimizers' (sharded) state to ``directory`` with DCP.
 
     Collective: every rank calls it with its own shards. Returns the completion,
     which waits for the files and returns an error message, or ``None`` when
@@ -278,8 +280,7 @@ def save_sharded(
     """
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    pairs = pair_optimizers(models, optimizers, caller=caller)
-    state = _dcp_state(models, optimizers, pairs)
+    state, _ = _dcp_state(objs, caller)
     writer = FileSystemWriter(directory, sync_files=True, overwrite=False)
     if not asynchronous or ctx.num_processes == 1:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -314,13 +315,12 @@ def save_sharded(
 def load_sharded(
     ctx: DistributedContext,
     directory: Path,
-    models: Sequence[nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
+    objs: StateObjects,
     *,
     listed: Collection[str],
     caller: str,
 ) -> None:
-    """Load ``models`` and ``optimizers`` in place from a DCP checkpoint in ``directory``.
+    """Load ``objs``' models and optimizers in place from a DCP checkpoint in ``directory``.
 
     Works for FSDP2, DDP and plain modules alike, on any world size: DCP reads the
     parts of each tensor this rank holds. Collective with several processes.
@@ -346,8 +346,7 @@ def load_sharded(
             check_dcp_value(value, caller=caller)
             super().load_bytes(read_item, value)
 
-    pairs = pair_optimizers(models, optimizers, caller=caller)
-    state = _dcp_state(models, optimizers, pairs)
+    state, pairs = _dcp_state(objs, caller)
     check_dcp_metadata(directory, listed, caller=caller)
     reader = FileSystemReader(directory)
     try:
@@ -368,9 +367,12 @@ def load_sharded(
             "optimizers as when it was saved."
         )
         raise ValueError(msg) from error
+    models = objs.models
     for index, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{index}"])
-    for index, (optimizer, owner) in enumerate(zip(optimizers, pairs, strict=True)):
+    for index, (optimizer, owner) in enumerate(
+        zip(objs.optimizers, pairs, strict=True)
+    ):
         set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{index}"])
 
 
@@ -414,22 +416,6 @@ def write_files(temporary: Path, files: Mapping[str, object]) -> dict[str, FileE
         size, digest = _layout.write_torch_file(obj, temporary / name)
         entries[name] = FileEntry(size=size, sha256=digest)
     return entries
-
-
-def write_state_files(
-    ctx: DistributedContext,
-    temporary: Path,
-    objs: StateObjects,
-    *,
-    rng: bool,
-    whole: bool,
-) -> dict[str, FileEntry]:
-    """Write this rank's files of a checkpoint (``state_files``) into ``temporary``.
-
-    Returns:
-        The manifest entries of the files written, by name.
-    """
-    return write_files(temporary, state_files(ctx, objs, rng=rng, whole=whole))
 
 
 def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> None:
@@ -519,14 +505,7 @@ def load_state_objects(
         load_engine(objs.models[0], root / ENGINE_DIR, caller)
     elif state_format == "dcp":
         listed = {name[4:] for name in files if name.startswith("dcp/")}
-        load_sharded(
-            ctx,
-            root / "dcp",
-            objs.models,
-            objs.optimizers,
-            listed=listed,
-            caller=caller,
-        )
+        load_sharded(ctx, root / "dcp", objs, listed=listed, caller=caller)
     else:
         for index, model in enumerate(objs.models):
             path, what = root / f"model_{index}.pt", f"models[{index}]"

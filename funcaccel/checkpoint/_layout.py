@@ -36,6 +36,7 @@ import torch
 from funcaccel._checks import summary
 from funcaccel._checks import type_name
 from funcaccel.checkpoint._members import DAMAGED
+from funcaccel.checkpoint._members import fail_checkpoint
 from funcaccel.checkpoint._members import regular_file
 
 __all__ = [
@@ -60,6 +61,21 @@ LATEST_NAME: Final = "latest"
 _NAME_RE: Final = re.compile(r"checkpoint-(\d+)")
 _CHUNK: Final = 1 << 20
 _POINTER_LIMIT: Final = 4096
+# caller, the latest file, what is wrong with it
+_MSG_POINTER: Final = (
+    "{0}: {1} {2}, but funcaccel writes it as a short regular file; "
+    + DAMAGED
+    + ", or delete {1} to use the newest complete checkpoint."
+)
+# caller, the latest file, the name it holds, the run directory, the newest complete
+_MSG_STALE: Final = (
+    "{0}: {1} names {2}, which is not a complete checkpoint in {3}; delete {1} to "
+    "use the newest complete one ({4})."
+)
+_INCOMPLETE: Final = (
+    "the checkpoint is incomplete, damaged or crafted. Load an earlier one (see "
+    "list_checkpoints)"
+)
 
 
 def _is_real_dir(path: Path) -> bool:
@@ -221,21 +237,18 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     if problem is None and pointer.stat().st_size > _POINTER_LIMIT:
         problem = f"has {pointer.stat().st_size} bytes"
     if problem is not None:
-        msg = f"{caller}: {pointer} {problem}, but funcaccel writes it as a short regular file; {DAMAGED}, or delete {pointer} to use the newest complete checkpoint."
-        raise ValueError(msg)
+        raise ValueError(_MSG_POINTER.format(caller, pointer, problem))
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError as error:
         msg = f"{caller}: {pointer} is not text ({error.reason}); {DAMAGED}."
         raise ValueError(msg) from error
     # Only a name listed above is returned: a bare checkpoint-N in root, no path.
+    newest = complete[-1].name if complete else "there is none"
     if not _NAME_RE.fullmatch(name) or root / name not in complete:
-        msg = (
-            f"{caller}: {pointer} names {summary(name)}, which is not a complete "
-            f"checkpoint in {root}; delete {pointer} to use the newest complete one "
-            f"({complete[-1].name if complete else 'there is none'})."
+        raise ValueError(
+            _MSG_STALE.format(caller, pointer, summary(name), root, newest)
         )
-        raise ValueError(msg)
     return root / name
 
 
@@ -264,11 +277,7 @@ def read_torch_file(path: Path, *, caller: str) -> Any:
     """
     problem = regular_file(path)
     if problem is not None:
-        msg = (
-            f"{caller}: {path} {problem}; the checkpoint is incomplete, damaged or "
-            "crafted. Load an earlier one (see list_checkpoints)."
-        )
-        raise ValueError(msg)
+        fail_checkpoint(caller, f"{path} {problem}", _INCOMPLETE)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (

@@ -17,22 +17,26 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Iterable
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from typing import Final
 from typing import Literal
 from typing import TypeVar
+from typing import cast
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_choice
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel._checks import summary
 from funcaccel.checkpoint import _layout
-from funcaccel.checkpoint._members import DAMAGED
+from funcaccel.checkpoint._members import EARLIER
 from funcaccel.checkpoint._members import check_member_name
+from funcaccel.checkpoint._members import fail_checkpoint
 from funcaccel.checkpoint._members import member_path
 from funcaccel.checkpoint._members import regular_file
 from funcaccel.grad_state import GradState
@@ -53,6 +57,21 @@ _HEX: Final = frozenset("0123456789abcdef")
 _STATE_FORMATS: Final = ("torch", "dcp", "deepspeed")
 # Far above any real manifest (about 100 bytes per file): a bigger one is not read.
 _MANIFEST_LIMIT: Final = 64 << 20
+_FROM_DICT: Final = "CheckpointMeta.from_dict"
+_NOT_A_MANIFEST: Final = (
+    f"{_FROM_DICT}: not a funcaccel checkpoint manifest (no 'format': {_FORMAT_TAG!r})."
+)
+_OTHER_SCHEMA: Final = (
+    f"{_FROM_DICT}: schema_version is {{!r}}, but this funcaccel reads version "
+    f"{SCHEMA_VERSION}; load it with the funcaccel that wrote it."
+)
+_NO_MANIFEST: Final = (
+    "{} is missing, so {} is not a complete checkpoint (an interrupted save leaves "
+    "none)"
+)
+_FIND_LATEST: Final = "use latest_checkpoint(directory) to find the newest complete one"
+_DIGEST: Final = "64 lowercase hex digits or None"
+_ENTRY: Final = "{'size': ..., 'sha256': ...}"
 T = TypeVar("T")
 
 
@@ -137,20 +156,19 @@ class FileEntry:
 
     def __post_init__(self) -> None:
         if type(self.size) is not int or self.size < 0:
-            msg = f"FileEntry: size must be an int >= 0; got {self.size!r}."
-            raise ValueError(msg)
-        digest = self.sha256
-        if digest is not None and (
-            not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX
-        ):
-            msg = f"FileEntry: sha256 must be 64 lowercase hex digits or None; got {summary(digest)}."
-            raise ValueError(msg)
+            fail_value("FileEntry", "size", self.size, "an int >= 0")
+        if self.sha256 is not None and not _is_sha256(self.sha256):
+            fail_value("FileEntry", "sha256", self.sha256, _DIGEST)
+
+
+def _is_sha256(digest: object) -> bool:
+    return isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX
 
 
 def _field(
     data: Mapping[str, object], key: str, kind: type[T] | tuple[type, ...]
 ) -> Any:
-    return check_type("CheckpointMeta.from_dict", key, data[key], kind)
+    return check_type(_FROM_DICT, key, data[key], kind)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,19 +222,17 @@ class CheckpointMeta:
         check_choice(owner, "state_format", self.state_format, _STATE_FORMATS)
         check_bool(owner, "scaler", self.scaler)
         check_bool(owner, "rng", self.rng)
-        if not isinstance(self.objects, tuple) or not all(
-            isinstance(o, str) for o in self.objects
-        ):
+        if not _all_of(self.objects, tuple, str):
             fail_type(owner, "objects", self.objects, "a tuple of str")
         check_type(owner, "grad", self.grad, GradState, optional=True)
         check_type(owner, "loader", self.loader, LoaderState, optional=True)
         object.__setattr__(self, "extra", check_json_value(self.extra, "extra", owner))
         check_type(owner, "extra", self.extra, dict)
-        if not isinstance(self.files, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, FileEntry)
-            for k, v in self.files.items()
+        files = self.files
+        if not _all_of(files, Mapping, str) or not _all_of(
+            files.values(), object, FileEntry
         ):
-            fail_type(owner, "files", self.files, "a mapping of str to FileEntry")
+            fail_type(owner, "files", files, "a mapping of str to FileEntry")
         for name in self.files:
             check_member_name(owner, name, where="files")
         object.__setattr__(self, "files", dict(self.files))
@@ -251,21 +267,14 @@ class CheckpointMeta:
             ValueError: not a funcaccel manifest, another schema version, or missing
                 or unknown keys.
         """
-        owner = "CheckpointMeta.from_dict"
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT_TAG:
-            msg = f"{owner}: not a funcaccel checkpoint manifest (no 'format': {_FORMAT_TAG!r})."
-            raise ValueError(msg)
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            msg = (
-                f"{owner}: schema_version is {version!r}, but this funcaccel reads "
-                f"version {SCHEMA_VERSION}; load it with the funcaccel that wrote it."
-            )
-            raise ValueError(msg)
+            raise ValueError(_NOT_A_MANIFEST)
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(_OTHER_SCHEMA.format(data.get("schema_version")))
         expected = set(cls(world_size=1).to_dict())
         missing, unknown = sorted(expected - set(data)), sorted(set(data) - expected)
         if missing or unknown:
-            msg = f"{owner}: missing keys {missing}, unknown keys {unknown}."
+            msg = f"{_FROM_DICT}: missing keys {missing}, unknown keys {unknown}."
             raise ValueError(msg)
         grad, loader = data["grad"], data["loader"]
         files = _field(data, "files", dict)
@@ -291,9 +300,15 @@ class CheckpointMeta:
 
 def _file_entry(name: object, value: object) -> FileEntry:
     if not isinstance(value, dict) or set(value) != {"size", "sha256"}:
-        msg = f"CheckpointMeta.from_dict: files[{name!r}] must be {{'size': ..., 'sha256': ...}}; got {summary(value)}."
-        raise ValueError(msg)
+        fail_value(_FROM_DICT, f"files[{name!r}]", value, _ENTRY)
     return FileEntry(size=value["size"], sha256=value["sha256"])
+
+
+def _all_of(items: object, container: type, kind: type) -> bool:
+    """Whether ``items`` is a ``container`` whose items (keys, for a mapping) are ``kind``."""
+    if not isinstance(items, container):
+        return False
+    return all(isinstance(i, kind) for i in cast("Iterable[object]", items))
 
 
 def _file_problem(file: Path, entry: FileEntry, *, verify: bool) -> str | None:
@@ -313,19 +328,13 @@ def read_manifest(root: Path, *, verify: bool, caller: str) -> CheckpointMeta:
     where = f"the manifest of {root}"
     manifest = member_path(root, _layout.MANIFEST_NAME, caller=caller, where=where)
     problem = regular_file(manifest)
-    if problem not in (None, "is missing"):
-        msg = f"{caller}: {manifest} {problem}; {DAMAGED}."
-        raise ValueError(msg)
+    if problem == "is missing":
+        fail_checkpoint(caller, _NO_MANIFEST.format(manifest, root), _FIND_LATEST)
+    if problem is None and manifest.stat().st_size > _MANIFEST_LIMIT:
+        size = manifest.stat().st_size
+        problem = f"has {size} bytes, more than any manifest funcaccel writes"
     if problem is not None:
-        msg = (
-            f"{caller}: {manifest} is missing, so {root} is not a complete checkpoint "
-            "(an interrupted save leaves none); use latest_checkpoint(directory) to "
-            "find the newest complete one."
-        )
-        raise ValueError(msg)
-    if manifest.stat().st_size > _MANIFEST_LIMIT:
-        msg = f"{caller}: {manifest} has {manifest.stat().st_size} bytes, more than any manifest funcaccel writes; {DAMAGED}."
-        raise ValueError(msg)
+        fail_checkpoint(caller, f"{manifest} {problem}")
     try:
         meta = CheckpointMeta.from_dict(
             json.loads(manifest.read_text(encoding="utf-8"))
@@ -339,9 +348,5 @@ def read_manifest(root: Path, *, verify: bool, caller: str) -> CheckpointMeta:
         path = member_path(root, name, caller=caller, where=where)
         problem = _file_problem(path, entry, verify=verify)
         if problem is not None:
-            msg = (
-                f"{caller}: {path} {problem}; the checkpoint is damaged (or crafted), "
-                "load an earlier one (see list_checkpoints)."
-            )
-            raise ValueError(msg)
+            fail_checkpoint(caller, f"{path} {problem}", EARLIER)
     return meta

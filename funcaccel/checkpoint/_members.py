@@ -22,12 +22,23 @@ import os
 import stat
 from pathlib import Path
 from typing import Final
+from typing import NoReturn
 
 from funcaccel._checks import summary
 
-__all__ = ["DAMAGED", "check_member_name", "member_path", "regular_file"]
+__all__ = [
+    "DAMAGED",
+    "EARLIER",
+    "check_member_name",
+    "fail_checkpoint",
+    "member_path",
+    "regular_file",
+]
 
 DAMAGED: Final = "the checkpoint is damaged or crafted; load one you trust"
+EARLIER: Final = (
+    "the checkpoint is damaged (or crafted), load an earlier one (see list_checkpoints)"
+)
 _NAME_LIMIT: Final = 255
 
 
@@ -43,11 +54,25 @@ def check_member_name(caller: str, name: object, *, where: str = "") -> str:
     """
     if isinstance(name, str) and _is_plain(name):
         return name
-    giver = where or "the checkpoint"
-    msg = (
-        f"{caller}: {giver} names {summary(name)}, which is not a plain relative "
-        f"path inside it (no '..', not absolute); {DAMAGED}."
+    giver = f"{where or 'the checkpoint'} names {summary(name)}"
+    fail_checkpoint(
+        caller,
+        f"{giver}, which is not a plain relative path inside it (no '..', not absolute)",
     )
+
+
+def fail_checkpoint(caller: str, what: str, fix: str = DAMAGED) -> NoReturn:
+    """Raise the ``ValueError`` of a checkpoint or export that cannot be used.
+
+    The message is ``"{caller}: {what}; {fix}."``: ``what`` names the file and
+    what is wrong with it, ``fix`` what to do (by default, that the checkpoint is
+    damaged or crafted and one to trust should be loaded).
+
+    >>> fail_checkpoint("f", "ckpt/latest is a FIFO")
+    Traceback (most recent call last):
+    ValueError: f: ckpt/latest is a FIFO; the checkpoint is damaged or crafted; load one you trust.
+    """
+    msg = f"{caller}: {what}; {fix}."
     raise ValueError(msg)
 
 
@@ -75,13 +100,9 @@ def member_path(root: Path, name: str, *, caller: str, where: str = "") -> Path:
     check_member_name(caller, name, where=where)
     path = root / name
     inside = root.resolve()
+    giver = f"{where or 'the checkpoint'} names {summary(name)}"
     if not path.resolve().is_relative_to(inside):
-        giver = where or "the checkpoint"
-        msg = (
-            f"{caller}: {giver} names {summary(name)}, which is a link out of "
-            f"{root}; {DAMAGED}."
-        )
-        raise ValueError(msg)
+        fail_checkpoint(caller, f"{giver}, which is a link out of {root}")
     return path
 
 

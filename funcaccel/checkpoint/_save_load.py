@@ -59,13 +59,13 @@ from pathlib import Path
 from typing import Any
 from typing import Final
 from typing import Literal
-from typing import overload
 
 import torch
 from torch import nn
 
 from funcaccel._checks import check_bool
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._guard import guard_collective
 from funcaccel.checkpoint import _formats
 from funcaccel.checkpoint import _layout
@@ -107,6 +107,7 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint_meta",
     "save_checkpoint",
+    "save_checkpoint_async",
 ]
 
 
@@ -158,44 +159,31 @@ def read_checkpoint_meta(
     return read_manifest(Path(path), verify=verify, caller="read_checkpoint_meta")
 
 
-@overload
-def save_checkpoint(
-    ctx: DistributedContext,
-    directory: str | os.PathLike[str],
-    *,
-    models: nn.Module | Sequence[nn.Module] = ...,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ...,
-    schedulers: Stateful | Sequence[Stateful] = ...,
-    scaler: torch.amp.GradScaler | None = ...,
-    objects: Mapping[str, Stateful] | None = ...,
-    grad: GradState | None = ...,
-    loader: LoaderState | None = ...,
-    extra: Mapping[str, Any] | None = ...,
-    keep_last: int | None = ...,
-    save_rng: bool = ...,
-    asynchronous: Literal[False] = ...,
-    pending: PendingCheckpoint | None = ...,
-) -> Path: ...
+_FAILED: Final = "the checkpoint was not written (the previous one is still the latest)"
+_USE_ASYNC: Final = (
+    "Call save_checkpoint_async(ctx, directory, ...) for a background save; it "
+    "returns a PendingCheckpoint."
+)
+
+_Sharded = Callable[[], str | None]
+"""The completion of the sharded (DCP) part: waits, returns an error or None."""
 
 
-@overload
-def save_checkpoint(
-    ctx: DistributedContext,
-    directory: str | os.PathLike[str],
-    *,
-    models: nn.Module | Sequence[nn.Module] = ...,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ...,
-    schedulers: Stateful | Sequence[Stateful] = ...,
-    scaler: torch.amp.GradScaler | None = ...,
-    objects: Mapping[str, Stateful] | None = ...,
-    grad: GradState | None = ...,
-    loader: LoaderState | None = ...,
-    extra: Mapping[str, Any] | None = ...,
-    keep_last: int | None = ...,
-    save_rng: bool = ...,
-    asynchronous: Literal[True],
-    pending: PendingCheckpoint | None = ...,
-) -> PendingCheckpoint: ...
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Save:
+    """One save past its checks, with its number: where it goes, what it records."""
+
+    ctx: DistributedContext
+    root: Path
+    name: str
+    objs: _formats.StateObjects
+    fields: dict[str, Any]  # the manifest's values: CheckpointMeta but its files
+    keep_last: int | None
+    caller: str
+
+    @property
+    def temporary(self) -> Path:
+        return _layout.temporary_dir(self.root, self.name)
 
 
 def save_checkpoint(
@@ -212,38 +200,22 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
     save_rng: bool = True,
-    asynchronous: bool = False,
     pending: PendingCheckpoint | None = None,
-) -> Path | PendingCheckpoint:
+    asynchronous: Literal[False] = False,
+) -> Path:
     """Write a new checkpoint of the training state into ``directory`` (collective).
 
     Every rank calls it with the same arguments (its own replica or shards); nothing
     passed is changed and no RNG is advanced. It returns on every rank once the
-    checkpoint is complete and ``directory/latest`` names it.
-
-    With 2 DDP processes and one model and optimizer, ``checkpoint-000001`` gets
-    ``model_0.pt`` and ``optimizer_0.pt`` from rank 0, ``rng_rank_0.pt`` and
-    ``rng_rank_1.pt`` from each rank, then ``manifest.json``.
-
-    With ``asynchronous=True`` it returns a ``PendingCheckpoint`` as soon as the
-    state is staged, and a background thread writes the files while training
-    goes on. What only the saved optimizers' steps change (their CPU parameters
-    and state) is copied into CPU memory by that thread while the next forward
-    and backward passes run; each saved optimizer's ``step()`` waits for the copy,
-    and a tensor of that kind changed in place otherwise before its copy fails
-    the save (``handle.wait_staged()`` first makes such a change safe).
-    Everything else is copied before the return; ``pending.wait()``, called on every rank (or the
-    next ``save_checkpoint`` into ``directory``), completes the checkpoint and
-    raises any failure of the background writing. ``latest`` moves only then, so
-    a process killed before leaves the previous checkpoint current. With FSDP2
-    or mesh models on several processes the sharded ``dcp/`` part goes through
-    DCP's ``async_save`` (shards copied to CPU before the return; planning and
-    writing in DCP's thread, over a gloo group made for this save).
+    checkpoint is complete and ``directory/latest`` names it; a run resumed from it
+    ends bit for bit where an uninterrupted one would. With 2 DDP processes, rank 0
+    writes ``model_0.pt`` and ``optimizer_0.pt``, each rank its ``rng_rank_<r>.pt``,
+    then rank 0 ``manifest.json``. ``save_checkpoint_async`` writes in the
+    background instead. Layout, formats, atomicity: docs/checkpoint.md.
 
     Args:
         ctx: the distributed context.
-        directory: where this run's checkpoints go, shared by all ranks (created if
-            missing).
+        directory: this run's checkpoints, shared by all ranks (created if missing).
         models: models, wrapped or not; saved unwrapped, FSDP2 ones sharded.
         optimizers: their optimizers (with FSDP2, each updates one of ``models``).
         schedulers: LR schedulers, or anything with ``state_dict``.
@@ -254,79 +226,118 @@ def save_checkpoint(
         extra: JSON values (str, int, finite float, bool, None, list, dict).
         keep_last: keep only the newest ``keep_last`` checkpoints (>= 1).
         save_rng: save each rank's Python, torch, CUDA and NumPy RNG states.
-        asynchronous: write in the background and return a ``PendingCheckpoint``.
-        pending: the handle of the previous asynchronous save, completed first;
-            an asynchronous save stages into its CPU copy's memory (no new
-            allocation) when the state has the same tensors' storages and sizes.
+        pending: an earlier ``save_checkpoint_async`` handle, completed first.
+        asynchronous: only ``False``; a background save is ``save_checkpoint_async``.
 
     Returns:
-        The new checkpoint's path, ``directory/checkpoint-NNNNNN``; with
-        ``asynchronous=True`` a ``PendingCheckpoint`` whose ``wait()`` returns it.
+        The new checkpoint's path, ``directory/checkpoint-NNNNNN``.
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an open accumulation window, non-JSON ``extra``, a bad
-            ``keep_last`` or object name.
-        RuntimeError: a rank failed to write (raised on every rank; the previous
-            checkpoint stays current), no process group matching ``ctx``, or
-            (with ``ctx.collective_timeout``) a rank that did not call it in time;
-            also the failure of an earlier asynchronous save it completes.
+            ``keep_last`` or object name, or ``asynchronous=True``.
+        RuntimeError: a rank failed to write (on every rank; the previous one stays
+            current), no process group matching ``ctx``, a rank that did not call
+            it within ``ctx.collective_timeout``, or a failed ``pending`` save.
     """
     caller = "save_checkpoint"
+    if asynchronous is not False:
+        fail_value(caller, "asynchronous", asynchronous, "False", _USE_ASYNC)
     objs = _formats.check_state_objects(
         ctx, caller, models, optimizers, schedulers, scaler, objects
     )
+    fields = _check_fields(ctx, objs, caller, grad, loader, extra, keep_last, save_rng)
+    save, _ = _open(ctx, directory, objs, fields, keep_last, pending, caller)
+    _write_together(save, asynchronous=False)  # written when it returns
+    files, error = _collect(save)
+    entries: dict[str, FileEntry] = {}
+    if error is None:
+        try:
+            entries = _formats.write_files(save.temporary, files)
+        except (OSError, RuntimeError) as failure:
+            error = f"writing into {save.temporary} failed: {failure}"
+    return _finish(save, entries, error)
+
+
+def save_checkpoint_async(
+    ctx: DistributedContext,
+    directory: str | os.PathLike[str],
+    *,
+    models: nn.Module | Sequence[nn.Module] = (),
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    schedulers: Stateful | Sequence[Stateful] = (),
+    scaler: torch.amp.GradScaler | None = None,
+    objects: Mapping[str, Stateful] | None = None,
+    grad: GradState | None = None,
+    loader: LoaderState | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+    save_rng: bool = True,
+    pending: PendingCheckpoint | None = None,
+) -> PendingCheckpoint:
+    """Start a checkpoint written in the background and return its handle (collective).
+
+    ``save_checkpoint``'s checkpoint, but the call returns on every rank as soon as
+    the state is staged in CPU memory, and a thread writes the files while training
+    goes on: the loop waits for a memory copy instead of the disk. What only the
+    saved optimizers' steps change (their CPU parameters and state) is copied by
+    that thread during the next forward and backward; each saved optimizer's
+    ``step()`` waits for the copy, and ``handle.wait_staged()`` makes any other
+    in-place change safe. ``handle.wait()`` on every rank (or the next save given
+    ``pending=handle``) commits it: ``latest`` moves only then, so a process killed
+    before leaves the previous checkpoint current. A loop threads the handle::
+
+        handle = None
+        for step, batch in enumerate(iter_batches(loader)):
+            ...
+            if step % 1000 == 999:
+                handle = save_checkpoint_async(ctx, "ckpt", models=model, pending=handle)
+        handle.wait()
+
+    The whole story (what is copied when, FSDP2 and DCP's ``async_save``):
+    docs/checkpoint.md#asynchronous-checkpoints.
+
+    Args:
+        ctx, directory, models, optimizers, schedulers, scaler, objects, grad,
+            loader, extra, keep_last, save_rng: as for ``save_checkpoint``.
+        pending: the previous handle, completed first; its CPU copy's memory is
+            reused when the state has the same tensors' storages and sizes.
+
+    Returns:
+        A ``PendingCheckpoint`` whose ``wait()`` returns ``directory/checkpoint-NNNNNN``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as ``save_checkpoint``; ``wait()``
+            raises a failure of the background writing, on every rank.
+    """
+    caller = "save_checkpoint_async"
+    objs = _formats.check_state_objects(
+        ctx, caller, models, optimizers, schedulers, scaler, objects
+    )
+    fields = _check_fields(ctx, objs, caller, grad, loader, extra, keep_last, save_rng)
+    save, reusable = _open(ctx, directory, objs, fields, keep_last, pending, caller)
+    sharded = _write_together(save, asynchronous=True)
+    files, error = _collect(save)
+    return _write_behind(save, files, error, reusable, sharded)
+
+
+def _check_fields(
+    ctx: DistributedContext,
+    objs: _formats.StateObjects,
+    caller: str,
+    grad: object,
+    loader: object,
+    extra: object,
+    keep_last: object,
+    save_rng: object,
+) -> dict[str, Any]:
+    """Check the values a save records; return the manifest's fields but its files."""
     extra_dict = _check_save_values(caller, grad, loader, extra, keep_last)
     check_bool(caller, "save_rng", save_rng)
-    check_bool(caller, "asynchronous", asynchronous)
     state_format = _formats.choose_format(objs.models)
     if state_format == "dcp":
         _formats.pair_optimizers(objs.models, objs.optimizers, caller=caller)
-    what = "the PendingCheckpoint an asynchronous save returned, or None"
-    check_type(caller, "pending", pending, PendingCheckpoint, what=what, optional=True)
-    root = Path(directory)
-    reusable: tuple[torch.UntypedStorage, ...] = ()
-    if pending is not None:
-        pending.wait()  # collective: the earlier save is numbered before this one
-        reusable = take_buffers(pending)  # its staging memory, now free
-    guard_collective(ctx, caller)
-    name, error = "", None
-    if ctx.is_main_process:
-        unfinished = own_pending_save(root)
-        if unfinished is not None:
-            error = (
-                f"an asynchronous save into {root} ({unfinished}) is still pending; "
-                "pass its PendingCheckpoint as save_checkpoint(..., pending=handle), "
-                "or call handle.wait() first"
-            )
-        else:
-            try:
-                name = _layout.prepare(root)
-            except OSError as failure:
-                error = f"cannot create a checkpoint in {root}: {failure}"
-    name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
-    _raise_failures([error], _FAILED, caller)
-    temporary = _layout.temporary_dir(root, name)
-    sharded_done: Callable[[], str | None] | None = None
-    if state_format == "dcp":
-        sharded_done = _formats.save_sharded(
-            ctx,
-            temporary / "dcp",
-            objs.models,
-            objs.optimizers,
-            caller=caller,
-            asynchronous=asynchronous,
-        )
-    elif state_format == "deepspeed":
-        save_engine(objs.models[0], temporary / ENGINE_DIR)
-    files: dict[str, object] = {}
-    try:
-        files = _formats.state_files(
-            ctx, objs, rng=save_rng, whole=state_format == "torch"
-        )
-    except (OSError, RuntimeError) as failure:
-        error = f"writing into {temporary} failed: {failure}"
-    fields = {
+    return {
         "world_size": ctx.num_processes,
         "state_format": state_format,
         "models": len(objs.models),
@@ -339,90 +350,167 @@ def save_checkpoint(
         "loader": loader,
         "extra": extra_dict,
     }
-    finish = functools.partial(
-        _finish, ctx, root, name, fields, keep_last=keep_last, caller=caller
+
+
+def _open(
+    ctx: DistributedContext,
+    directory: str | os.PathLike[str],
+    objs: _formats.StateObjects,
+    fields: dict[str, Any],
+    keep_last: int | None,
+    pending: object,
+    caller: str,
+) -> tuple[_Save, tuple[torch.UntypedStorage, ...]]:
+    """Complete ``pending``, then take the next number on rank 0 (collective).
+
+    Returns the save and the staging memory ``pending`` leaves for reuse.
+    """
+    what = "the PendingCheckpoint an asynchronous save returned, or None"
+    check_type(caller, "pending", pending, PendingCheckpoint, what=what, optional=True)
+    root = Path(directory)
+    reusable: tuple[torch.UntypedStorage, ...] = ()
+    if isinstance(pending, PendingCheckpoint):
+        pending.wait()  # collective: the earlier save is numbered before this one
+        reusable = take_buffers(pending)  # its staging memory, now free
+    guard_collective(ctx, caller)
+    name, error = _number(root, caller) if ctx.is_main_process else ("", None)
+    name, error = _all_gather(ctx, (name, error))[0]  # rank 0's decision
+    _raise_failures([error], _FAILED, caller)
+    save = _Save(
+        ctx=ctx,
+        root=root,
+        name=name,
+        objs=objs,
+        fields=fields,
+        keep_last=keep_last,
+        caller=caller,
     )
-    entries: dict[str, FileEntry] = {}
+    return save, reusable
+
+
+def _number(root: Path, caller: str) -> tuple[str, str | None]:
+    """Rank 0: create the next checkpoint's temporary directory; its name, or why not.
+
+    A save of this process into ``root`` still pending would take the same number
+    and delete the files being written, so it is refused.
+    """
+    unfinished = own_pending_save(root)
+    if unfinished is not None:
+        return "", (
+            f"an asynchronous save into {root} ({unfinished}) is still pending; "
+            f"pass its PendingCheckpoint as {caller}(..., pending=handle), "
+            "or call handle.wait() first"
+        )
+    try:
+        return _layout.prepare(root), None
+    except OSError as failure:
+        return "", f"cannot create a checkpoint in {root}: {failure}"
+
+
+def _write_together(save: _Save, *, asynchronous: bool) -> _Sharded | None:
+    """Write what the ranks write together, DCP shards or a DeepSpeed engine (collective).
+
+    Returns the DCP part's completion (already complete unless ``asynchronous``).
+    """
+    state_format = save.fields["state_format"]
+    if state_format == "dcp":
+        where = save.temporary / "dcp"
+        return _formats.save_sharded(
+            save.ctx, where, save.objs, caller=save.caller, asynchronous=asynchronous
+        )
+    if state_format == "deepspeed":
+        save_engine(save.objs.models[0], save.temporary / ENGINE_DIR)
+    return None
+
+
+def _collect(save: _Save) -> tuple[dict[str, object], str | None]:
+    """Return this rank's whole files as ``{name: live state}``, or why it failed."""
+    whole = save.fields["state_format"] == "torch"
+    try:
+        files = _formats.state_files(
+            save.ctx, save.objs, rng=save.fields["rng"], whole=whole
+        )
+    except (OSError, RuntimeError) as failure:
+        return {}, f"writing into {save.temporary} failed: {failure}"
+    return files, None
+
+
+def _write_behind(
+    save: _Save,
+    files: dict[str, object],
+    error: str | None,
+    reusable: tuple[torch.UntypedStorage, ...],
+    sharded: _Sharded | None,
+) -> PendingCheckpoint:
+    """Stage ``files`` in CPU memory and start the thread that writes them."""
     staged: dict[str, object] = {}
     buffers: tuple[torch.UntypedStorage, ...] = ()
     deferred: DeferredCopy | None = None
-    try:
-        if error is None and asynchronous:
-            # A copy (training may change the originals now), into the previous
-            # save's staging memory when the state has the same layout. What
-            # only the optimizers' steps change is copied in the background.
-            staged, buffers, deferred = stage(
-                files, reusable, defer=optimizer_storages(objs.optimizers)
-            )
-        elif error is None:
-            entries = _formats.write_files(temporary, files)
-    except (OSError, RuntimeError) as failure:
-        error = f"writing into {temporary} failed: {failure}"
-    if not asynchronous:
-        return finish(entries, error)
+    if error is None:
+        # A copy (training may change the originals now), into the previous
+        # save's staging memory when the state has the same layout. What only
+        # the optimizers' steps change is copied in the background.
+        defer = optimizer_storages(save.objs.optimizers)
+        try:
+            staged, buffers, deferred = stage(files, reusable, defer=defer)
+        except (OSError, RuntimeError) as failure:
+            error = f"writing into {save.temporary} failed: {failure}"
     return PendingCheckpoint(
-        ctx,
-        root,
-        root / name,
-        temporary,
-        lambda: _formats.write_files(temporary, staged),
-        finish,
+        save.ctx,
+        save.root / save.name,
+        lambda: _formats.write_files(save.temporary, staged),
+        functools.partial(_finish, save),
         error=error,
         buffers=buffers,
         deferred=deferred,
-        optimizers=objs.optimizers,
-        sharded_done=sharded_done,
+        optimizers=save.objs.optimizers,
+        sharded_done=sharded,
     )
 
 
-_FAILED: Final = "the checkpoint was not written (the previous one is still the latest)"
-
-
-def _finish(
-    ctx: DistributedContext,
-    root: Path,
-    name: str,
-    fields: dict[str, Any],
-    entries: dict[str, FileEntry],
-    error: str | None,
-    *,
-    keep_last: int | None,
-    caller: str,
-) -> Path:
+def _finish(save: _Save, entries: dict[str, FileEntry], error: str | None) -> Path:
     """Commit a checkpoint whose files every rank has written (collective).
 
     The ranks agree that all wrote; rank 0 writes the manifest, renames the
     directory into place, moves ``latest`` and prunes. Also the barrier: no rank
     returns before the checkpoint is complete.
     """
+    ctx, caller = save.ctx, save.caller
     gathered = _all_gather(ctx, (entries, error))
     _raise_failures([e for _, e in gathered], _FAILED, caller)
-    temporary = _layout.temporary_dir(root, name)
-    commit_error: str | None = None
-    pruning: str | None = None
+    outcome: tuple[str | None, str | None] = (None, None)
     if ctx.is_main_process:
         files = {k: v for rank_entries, _ in gathered for k, v in rank_entries.items()}
-        if fields["state_format"] == "dcp":
-            for key, size in _layout.file_sizes(temporary / "dcp").items():
-                files[f"dcp/{key}"] = FileEntry(size=size)
-        elif fields["state_format"] == "deepspeed":
-            for key, size in engine_files(temporary).items():
-                files[key] = FileEntry(size=size)
-        meta = CheckpointMeta(**fields, files=files)
-        try:
-            _layout.commit(root, name, meta.to_dict())
-        except OSError as failure:
-            commit_error = f"committing {temporary} failed: {failure}"
-        else:
-            try:
-                _layout.prune(root, keep_last=keep_last)
-            except OSError as failure:
-                pruning = str(failure)
-    outcome = _all_gather(ctx, (commit_error, pruning))
-    _raise_failures([e for e, _ in outcome], _FAILED, caller)
-    done = f"{root / name} is written and current, but deleting older ones failed"
-    _raise_failures([p for _, p in outcome], done, caller)
-    return root / name
+        outcome = _commit(save, files)
+    outcomes = _all_gather(ctx, outcome)
+    _raise_failures([e for e, _ in outcomes], _FAILED, caller)
+    done = f"{save.root / save.name} is written and current, but deleting older ones failed"
+    _raise_failures([p for _, p in outcomes], done, caller)
+    return save.root / save.name
+
+
+def _commit(save: _Save, files: dict[str, FileEntry]) -> tuple[str | None, str | None]:
+    """Rank 0: write the manifest, rename, move ``latest``, then prune.
+
+    Returns why committing failed, and why pruning failed (each ``None`` if not).
+    """
+    temporary = save.temporary
+    if save.fields["state_format"] == "dcp":
+        for key, size in _layout.file_sizes(temporary / "dcp").items():
+            files[f"dcp/{key}"] = FileEntry(size=size)
+    elif save.fields["state_format"] == "deepspeed":
+        for key, size in engine_files(temporary).items():
+            files[key] = FileEntry(size=size)
+    meta = CheckpointMeta(**save.fields, files=files)
+    try:
+        _layout.commit(save.root, save.name, meta.to_dict())
+    except OSError as failure:
+        return f"committing {temporary} failed: {failure}", None
+    try:
+        _layout.prune(save.root, keep_last=save.keep_last)
+    except OSError as failure:
+        return None, str(failure)
+    return None, None
 
 
 def load_checkpoint(
