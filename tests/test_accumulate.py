@@ -47,7 +47,7 @@ from funcaccel.mixed_precision import optimizer_parameters
 from funcaccel.mixed_precision import optimizer_step
 from funcaccel.mixed_precision import rescale_grads_
 from funcaccel.sync import no_sync
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
@@ -1125,12 +1125,9 @@ CASES: dict[int, list[Case]] = {
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def distributed(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[int, list[dict[str, Any]]]:
+def distributed(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     world: int = request.param
-    tmp: Path = tmp_path_factory.mktemp(f"accumulate_{world}")
-    return world, run_ranks(_scenarios, world, tmp, CASES[world])
+    return world, run_ranks(_scenarios, world, CASES[world], start_method="forkserver")
 
 
 def _global_windows(case: Case, world: int) -> list[list[torch.Tensor]]:

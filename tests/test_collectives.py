@@ -36,7 +36,7 @@ from funcaccel.collectives import reduce
 from funcaccel.context import DistributedContext
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
@@ -790,17 +790,14 @@ Results = tuple[int, list[dict[str, Any]]]
     params=[(2, None), (3, None), (2, 60.0), (3, 60.0)],
     ids=["world2", "world3", "world2-guarded", "world3-guarded"],
 )
-def dist_results(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Results:
+def dist_results(request: pytest.FixtureRequest) -> Results:
     """Each rank's ``_scenarios`` results, from one run per world size and guard.
 
     With the guard on (``collective_timeout``) every call, the failing ones
     included, must give exactly what it gives with the guard off.
     """
     world, guard = request.param
-    tmp = tmp_path_factory.mktemp(f"w{world}")
-    return world, run_ranks(_scenarios, world, tmp, guard)
+    return world, run_ranks(_scenarios, world, guard, start_method="forkserver")
 
 
 def on_every_rank(results: Results, name: str) -> Any:

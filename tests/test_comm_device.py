@@ -42,7 +42,7 @@ from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.collectives import any_process
 from funcaccel.context import DistributedContext
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.test_deepspeed_step import K as ENGINE_K
 from tests.test_deepspeed_step import _Engine
 
@@ -202,8 +202,8 @@ def _scenarios(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, 2, tmp_path_factory.mktemp("comm_device"))
+def two_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_scenarios, 2, start_method="forkserver")
 
 
 # --- the checks ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.loader import LoaderState
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import Indexed
 from tests.fixtures import SizedStream
 from tests.fixtures import Stream
@@ -324,13 +324,13 @@ def _everything(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_everything, 2, tmp_path_factory.mktemp("dispatch2"))
+def world2() -> list[dict[str, Any]]:
+    return run_ranks(_everything, 2, start_method="forkserver")
 
 
 @pytest.fixture(scope="module")
-def world3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_everything, 3, tmp_path_factory.mktemp("dispatch3"))
+def world3() -> list[dict[str, Any]]:
+    return run_ranks(_everything, 3, start_method="forkserver")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 Tensors = dict[str, torch.Tensor]
@@ -451,11 +451,16 @@ def _export_worker(ctx: DistributedContext, how: str, out: Path) -> Tensors:
 def test_ddp_and_fsdp2_exports_hold_what_one_process_writes(
     tmp_path: Path, how: str
 ) -> None:
-    reference = save_model(
-        ONE, _trained(ONE, "plain"), tmp_path / "one", max_shard_size=1000
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks (launch's OMP_NUM_THREADS=1): same sums
+    try:
+        reference = save_model(
+            ONE, _trained(ONE, "plain"), tmp_path / "one", max_shard_size=1000
+        )
+    finally:
+        torch.set_num_threads(threads)
     out = tmp_path / "dist"
-    results = run_ranks(_export_worker, 2, tmp_path / "ranks", how, out)
+    results = run_ranks(_export_worker, 2, how, out, start_method="forkserver")
     assert sorted(p.name for p in out.iterdir()) == sorted(
         p.name for p in reference.iterdir()
     )

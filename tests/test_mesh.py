@@ -8,7 +8,6 @@ float64 one-process reference computed here.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +34,7 @@ from funcaccel.mesh import build_mesh
 from funcaccel.mesh import check_mesh
 from funcaccel.model import FSDPOptions
 from funcaccel.model import wrap_model
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import Indexed
 from tests.fixtures import SizedStream
 from tests.fixtures import TpMLP
@@ -210,8 +209,8 @@ def _loader_on_mesh(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_loader_and_gather_for_metrics_on_a_real_2x2_mesh(tmp_path: Path) -> None:
-    results = run_ranks(_loader_on_mesh, 4, tmp_path)
+def test_loader_and_gather_for_metrics_on_a_real_2x2_mesh() -> None:
+    results = run_ranks(_loader_on_mesh, 4, start_method="forkserver")
     assert [r["coordinates"] for r in results] == [
         (0, 0, 0),
         (0, 0, 1),
@@ -291,7 +290,6 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 def _train_on_meshes(
     ctx: DistributedContext,
     shapes: list[tuple[int, int, int, bool]],
-    *,
     dtensor_between: bool = False,
 ) -> list[dict[str, Any]]:
     """``dtensor_between``: ``up`` hands ``down`` a DTensor, as uneven shards need."""
@@ -359,9 +357,9 @@ def test_the_reference_clips_and_moves() -> None:
 
 
 @pytest.mark.distributed
-def test_hsdp_fsdp_x_tp_ddp_x_tp_on_4_ranks_match_one_process(tmp_path: Path) -> None:
+def test_hsdp_fsdp_x_tp_ddp_x_tp_on_4_ranks_match_one_process() -> None:
     shapes = [(2, 2, 1, True), (1, 2, 2, True), (2, 1, 2, False), (4, 1, 1, False)]
-    results = run_ranks(_train_on_meshes, 4, tmp_path, shapes)
+    results = run_ranks(_train_on_meshes, 4, shapes, start_method="forkserver")
     # up.weight is 8 x 4: halved by FSDP's dp_shard=2, by tp=2, or by both.
     _check_against_reference(
         results,
@@ -375,16 +373,16 @@ def test_hsdp_fsdp_x_tp_ddp_x_tp_on_4_ranks_match_one_process(tmp_path: Path) ->
     ("world", "rows", "dtensor_between"), [(2, [4, 4], False), (3, [3, 3, 2], True)]
 )
 def test_tensor_parallel_only_on_2_and_3_ranks_matches_one_process(
-    tmp_path: Path, world: int, rows: list[int], dtensor_between: bool
+    world: int, rows: list[int], dtensor_between: bool
 ) -> None:
     # On 3 ranks the width 8 does not divide: torch shards it unevenly, up's rows
     # (ColwiseParallel) and down's columns (RowwiseParallel) as 3, 3 and 2.
     results = run_ranks(
         _train_on_meshes,
         world,
-        tmp_path,
         [(1, 1, world, False)],
-        dtensor_between=dtensor_between,
+        dtensor_between,
+        start_method="forkserver",
     )
     _check_against_reference(results, ["MLP"], [[(n, 4)] for n in rows])
     assert [r[0]["local_down"] for r in results] == [(3, n) for n in rows]
@@ -410,11 +408,11 @@ def _tp_optimizer_built_first(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_an_optimizer_built_before_tensor_parallelism_is_re_pointed_or_refused(
-    tmp_path: Path,
-) -> None:
+def test_an_optimizer_built_before_tensor_parallelism_is_re_pointed_or_refused() -> (
+    None
+):
     reference = _reference()
-    for result in run_ranks(_tp_optimizer_built_first, 2, tmp_path):
+    for result in run_ranks(_tp_optimizer_built_first, 2, start_method="forkserver"):
         for name, value in result["params"].items():
             assert torch.allclose(value, reference[name], rtol=0, atol=1e-10), name
         assert result["forgotten"] is not None

@@ -52,7 +52,7 @@ from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import TpMLP
 
 SAMPLES, GLOBAL_BATCH, K, EPOCHS, SAVE_AT = 40, 8, 2, 2, 2
@@ -316,9 +316,9 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     tmp = tmp_path_factory.mktemp("mesh_checkpoint")
-    four = run_ranks(_on_4_ranks, 4, tmp / "four", tmp)
-    three = run_ranks(_on_3_ranks, 3, tmp / "three", tmp)
-    two = run_ranks(_on_2_ranks, 2, tmp / "two", tmp)
+    four = run_ranks(_on_4_ranks, 4, tmp, start_method="forkserver")
+    three = run_ranks(_on_3_ranks, 3, tmp, start_method="forkserver")
+    two = run_ranks(_on_2_ranks, 2, tmp, start_method="forkserver")
     return Runs(tmp, four, three, two)
 
 

@@ -7,7 +7,6 @@ only its part, and one SGD step afterwards must match the whole model's step.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 F64 = torch.float64
@@ -168,8 +167,8 @@ SHAPES_4 = [
 
 
 @pytest.mark.distributed
-def test_meta_models_on_4_ranks_equal_the_model_built_whole(tmp_path: Path) -> None:
-    results = run_ranks(_meta_on_meshes, 4, tmp_path, SHAPES_4)
+def test_meta_models_on_4_ranks_equal_the_model_built_whole() -> None:
+    results = run_ranks(_meta_on_meshes, 4, SHAPES_4, start_method="forkserver")
     assert [r["type"] for r in results[0]] == [
         "FSDP_MLP",
         "FSDP_MLP",
@@ -183,9 +182,9 @@ SHAPES_3 = [(None, None, 1, True, "reset"), (1, 3, 1, True, "init_fn")]
 
 
 @pytest.mark.distributed
-def test_meta_models_on_3_ranks_with_uneven_shards(tmp_path: Path) -> None:
+def test_meta_models_on_3_ranks_with_uneven_shards() -> None:
     # 8 rows over 3 FSDP2 ranks: 3, 3 and 2 (without and with a mesh).
-    results = run_ranks(_meta_on_meshes, 3, tmp_path, SHAPES_3)
+    results = run_ranks(_meta_on_meshes, 3, SHAPES_3, start_method="forkserver")
     _check(results, SHAPES_3, [[3, 3, 2], [3, 3, 2]])
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,17 +17,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.nn.parallel import DistributedDataParallel
 
 from funcaccel.context import DistributedContext
 from funcaccel.kwargs import DDPCommunicationHookType
 from funcaccel.kwargs import DistributedDataParallelKwargs
+from funcaccel.launch import LaunchError
 from funcaccel.model import FSDPOptions
 from funcaccel.model import move_optimizer_state_
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 WORLD: int = 2
@@ -237,8 +236,8 @@ def _ddp_worker(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_ddp_worker, WORLD, tmp_path_factory.mktemp("ddp"))
+def ddp_results() -> list[dict[str, Any]]:
+    return run_ranks(_ddp_worker, WORLD, start_method="forkserver")
 
 
 @pytest.mark.distributed
@@ -378,15 +377,15 @@ def _batched_train_worker(ctx: DistributedContext) -> None:
 @pytest.mark.distributed
 @pytest.mark.xfail(
     strict=True,
-    raises=ProcessRaisedException,
+    raises=LaunchError,
     reason=(
         f"torch {torch.__version__}: batched_powerSGD_hook passes a 2-D matrix to "
         "_orthogonalize, which asserts 3-D, on the first step after "
         "start_powerSGD_iter (an upstream bug in torch, not in funcaccel)"
     ),
 )
-def test_wrap_model_batched_power_sgd_trains(tmp_path: Path) -> None:
-    run_ranks(_batched_train_worker, WORLD, tmp_path)
+def test_wrap_model_batched_power_sgd_trains() -> None:
+    run_ranks(_batched_train_worker, WORLD, start_method="forkserver")
 
 
 FSDP_CASES: dict[str, FSDPOptions] = {
@@ -439,8 +438,8 @@ def _fsdp_worker(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_fsdp_worker, WORLD, tmp_path_factory.mktemp("fsdp"))
+def fsdp_results() -> list[dict[str, Any]]:
+    return run_ranks(_fsdp_worker, WORLD, start_method="forkserver")
 
 
 @pytest.mark.distributed
