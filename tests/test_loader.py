@@ -19,7 +19,6 @@ from collections import OrderedDict
 from collections import defaultdict
 from collections.abc import Iterator
 from collections.abc import Sequence
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 from typing import NamedTuple
@@ -52,7 +51,7 @@ from funcaccel.loader import iter_batches
 from funcaccel.loader import send_to_device
 from funcaccel.loader import shard_loader
 from funcaccel.loader._setup import kept_settings
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import Indexed
 from tests.fixtures import SizedStream
 from tests.fixtures import Stream
@@ -1317,8 +1316,8 @@ def _rng_and_workers(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_rng_sync_and_worker_processes_over_gloo(tmp_path: Path) -> None:
-    rank0, rank1 = run_ranks(_rng_and_workers, 2, tmp_path)
+def test_rng_sync_and_worker_processes_over_gloo() -> None:
+    rank0, rank1 = run_ranks(_rng_and_workers, 2, start_method="forkserver")
     assert rank0["unsynced"] != rank1["unsynced"]  # the control
     assert rank0["synced-False"] == rank1["synced-False"]
     assert rank0["synced-True"] == rank1["synced-True"]
@@ -1387,9 +1386,9 @@ def _seams(ctx: DistributedContext) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_ported_loop_gets_the_right_numbers_or_an_error_on_every_rank(
-    world: int, tmp_path: Path
+    world: int,
 ) -> None:
-    ranks = run_ranks(_seams, world, tmp_path)
+    ranks = run_ranks(_seams, world, start_method="forkserver")
 
     def make() -> DataLoader[torch.Tensor]:
         return DataLoader(Indexed(10), batch_size=2, shuffle=True)
@@ -1765,8 +1764,8 @@ def _on_gpu(ctx: DistributedContext) -> dict[str, Any]:
 
 @needs_cuda
 @pytest.mark.distributed
-def test_cuda_rng_sync_and_dispatch_onto_the_gpu_over_gloo(tmp_path: Path) -> None:
-    ranks = run_ranks(_on_gpu, 2, tmp_path)
+def test_cuda_rng_sync_and_dispatch_onto_the_gpu_over_gloo() -> None:
+    ranks = run_ranks(_on_gpu, 2, start_method="forkserver")
     assert ranks[0]["rand"] == ranks[1]["rand"]
     assert [r["device"] for r in ranks] == ["cuda:0", "cuda:0"]
     expected = [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [0]]]
