@@ -288,11 +288,12 @@ def save_checkpoint_async(
     before leaves the previous checkpoint current. A loop threads the handle::
 
         handle = None
-        for step, batch in enumerate(iter_batches(loader)):
-            ...
-            if step % 1000 == 999:
+        for batch in iter_batches(loader):
+            ...  # one micro-step; save where an accumulation window ends
+            if grad.sync_gradients and grad.optimizer_steps % 1000 == 0:
                 handle = save_checkpoint_async(ctx, "ckpt", models=model, pending=handle)
-        handle.wait()
+        if handle is not None:
+            handle.wait()  # on every rank, before the process ends
 
     The whole story (what is copied when, FSDP2 and DCP's ``async_save``):
     docs/checkpoint.md#asynchronous-checkpoints.
