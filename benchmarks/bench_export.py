@@ -6,8 +6,8 @@ the accumulation window that follows it (``--accumulation`` forward and backward
 passes of ``--batch`` rows, then the optimizer step), and the stall is that time
 minus the median time of a window without a save, measured in the same run (and
 run twice: the second is the noise control). A synchronous ``save_checkpoint``
-blocks for the whole write (fsync and SHA-256 included). With
-``asynchronous=True`` the call returns once the state is staged: what only the
+blocks for the whole write (fsync and SHA-256 included).
+``save_checkpoint_async`` returns once the state is staged: what only the
 optimizer changes (parameters, AdamW's moments) is copied into CPU memory in the
 background while the window's forward and backward passes run, and the window's
 optimizer step waits for that copy if it is not done; the background write is

@@ -99,6 +99,7 @@ if TYPE_CHECKING:
     from funcaccel.checkpoint import load_model as load_model
     from funcaccel.checkpoint import read_checkpoint_meta as read_checkpoint_meta
     from funcaccel.checkpoint import save_checkpoint as save_checkpoint
+    from funcaccel.checkpoint import save_checkpoint_async as save_checkpoint_async
     from funcaccel.checkpoint import save_model as save_model
     from funcaccel.envreport import env_report as env_report
     from funcaccel.join import join_uneven_inputs as join_uneven_inputs
