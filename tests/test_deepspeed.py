@@ -341,5 +341,9 @@ def test_options_field_disagreeing_with_config_is_refused(tmp_path: Path) -> Non
         match=r"zero_stage=2 disagrees with the config's zero_optimization.stage=3",
     ):
         DeepSpeedOptions(config=path, zero_stage=2)
-    with pytest.raises(ValueError, match=r"must be 1, 2 or 3; got 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"^DeepSpeedOptions: the ZeRO stage must be one of 1, 2, 3; got 0\. For "
+        r"replicated training without ZeRO use wrap_model's DDP path",
+    ):
         DeepSpeedOptions(zero_stage=0)

@@ -148,19 +148,12 @@ def build_engine(
     check_type(caller, "scheduler", scheduler, Stateful, what=_STATEFUL, optional=True)
     config = merged_config(caller, ctx, options, grad)
     if not dist.is_initialized():
-        msg = (
-            f"{caller}: deepspeed= needs a torch.distributed process group (even with "
-            "one process); build the context with build_context(), which starts it."
-        )
+        msg = f"{caller}: a DeepSpeed engine needs a torch.distributed process group (even with one process); build the context with build_context(), which starts it."
         raise RuntimeError(msg)
     require_process_group(ctx, caller)
+    # DeepSpeed reads LOCAL_RANK from the environment itself (torchrun sets it).
     if "LOCAL_RANK" not in os.environ:
-        # DeepSpeed reads it from the environment itself (torchrun sets it).
-        msg = (
-            f"{caller}: DeepSpeed needs the LOCAL_RANK environment variable, which "
-            "torchrun and the deepspeed launcher set; launch with one of them, or set "
-            f"LOCAL_RANK={ctx.local_process_index} before {caller}."
-        )
+        msg = f"{caller}: DeepSpeed needs the LOCAL_RANK environment variable, which torchrun and the deepspeed launcher set; launch with one of them, or set LOCAL_RANK={ctx.local_process_index} before {caller}."
         raise RuntimeError(msg)
     import deepspeed  # slow and optional: only this path needs it
 

@@ -21,49 +21,67 @@ from pathlib import Path
 from typing import Any
 from typing import Final
 
-from funcaccel._checks import summary
+from funcaccel._checks import check_choice
+from funcaccel._checks import check_type
+from funcaccel._checks import fail_type
+from funcaccel._checks import fail_value
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 
 __all__ = ["DeepSpeedOptions", "merged_config"]
 
 _STAGES: Final = (1, 2, 3)
+_FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {
+    "zero_stage": (int,),
+    "micro_batch_size": (int,),
+    "offload_optimizer": (bool,),
+    "offload_param": (bool,),
+    "gradient_clipping": (int, float),
+}
+_NO_CLIP: Final = "Use None for no clipping."
+_POSITIVE: Final = "a finite number > 0"
+_OFFLOADS: Final = "3 with offload_param"
+_CONFIG_KEYS: Final = {  # field -> the config key it sets
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer": "zero_optimization.offload_optimizer",
+    "offload_param": "zero_optimization.offload_param",
+    "gradient_clipping": "gradient_clipping",
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+}
+_NO_ZERO: Final = (
+    "For replicated training without ZeRO use wrap_model's DDP path (no deepspeed=)."
+)
+_STAGE_3: Final = "Set zero_stage=3 or offload_param=False."
 
 
 def _read_config(config: object) -> dict[str, Any]:
     owner = "DeepSpeedOptions"
     if isinstance(config, Mapping):
         for key in config:
-            if not isinstance(key, str):
-                msg = f"{owner}: config keys must be strings; got {summary(key)}."
-                raise TypeError(msg)
+            check_type(owner, "every config key", key, str)
         # A deep copy through JSON: the record must not share the caller's dicts,
         # and DeepSpeed takes only JSON values anyway.
         try:
             copied: dict[str, Any] = json.loads(json.dumps(dict(config)))
         except (TypeError, ValueError) as error:
-            msg = f"{owner}: config must hold JSON values only ({error}); got {summary(config)}."
-            raise TypeError(msg) from error
+            fail_type(owner, "config", config, f"a dict of JSON values only ({error})")
         return copied
-    if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        try:
-            loaded = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as error:
-            msg = f"{owner}: cannot read the DeepSpeed config file {str(path)!r} ({error}); pass an existing JSON file or a dict."
-            raise ValueError(msg) from error
-        except ValueError as error:
-            msg = f"{owner}: the DeepSpeed config file {str(path)!r} is not valid JSON ({error})."
-            raise ValueError(msg) from error
-        if not isinstance(loaded, dict):
-            msg = f"{owner}: the DeepSpeed config file {str(path)!r} must hold a JSON object; got {summary(loaded)}."
-            raise ValueError(msg)
-        return loaded
-    msg = (
-        f"{owner}: config must be a dict, a path to a JSON file, or None; got "
-        f"{summary(config)} ({type(config).__name__})."
-    )
-    raise TypeError(msg)
+    if not isinstance(config, (str, os.PathLike)):
+        fail_type(owner, "config", config, "a dict, a path to a JSON file, or None")
+    path = Path(config)
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        msg = f"{owner}: cannot read the DeepSpeed config file {str(path)!r} ({error}); pass an existing JSON file or a dict."
+        raise ValueError(msg) from error
+    except ValueError as error:
+        msg = f"{owner}: the DeepSpeed config file {str(path)!r} is not valid JSON ({error})."
+        raise ValueError(msg) from error
+    if not isinstance(loaded, dict):
+        fail_value(
+            owner, f"the DeepSpeed config file {str(path)!r}", loaded, "a JSON object"
+        )
+    return loaded
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,79 +127,21 @@ class DeepSpeedOptions:
         owner = "DeepSpeedOptions"
         read = {} if self.config is None else _read_config(self.config)
         object.__setattr__(self, "config", read)
-        for name in ("zero_stage", "micro_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int):
-                msg = f"{owner}: {name} must be an int or None; got {summary(value)} ({type(value).__name__})."
-                raise TypeError(msg)
-        for name in ("offload_optimizer", "offload_param"):
-            value = getattr(self, name)
-            if value is not None and type(value) is not bool:
-                msg = f"{owner}: {name} must be a bool or None; got {summary(value)} ({type(value).__name__})."
-                raise TypeError(msg)
-        clip = self.gradient_clipping
-        if clip is not None:
-            if isinstance(clip, bool) or not isinstance(clip, (int, float)):
-                msg = f"{owner}: gradient_clipping must be a float or None; got {summary(clip)} ({type(clip).__name__})."
-                raise TypeError(msg)
-            if not (math.isfinite(clip) and clip > 0):
-                msg = f"{owner}: gradient_clipping must be a finite number > 0; got {clip!r}. Use None for no clipping."
-                raise ValueError(msg)
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            msg = (
-                f"{owner}: micro_batch_size must be >= 1; got {self.micro_batch_size}."
-            )
-            raise ValueError(msg)
+        for name, kind in _FIELD_TYPES.items():
+            check_type(owner, name, getattr(self, name), kind, optional=True)
+        clip, micro = self.gradient_clipping, self.micro_batch_size
+        if clip is not None and not (math.isfinite(clip) and clip > 0):
+            fail_value(owner, "gradient_clipping", clip, _POSITIVE, _NO_CLIP)
+        if micro is not None and micro < 1:
+            fail_value(owner, "micro_batch_size", micro, ">= 1")
         zero = read.get("zero_optimization", {})
         if not isinstance(zero, dict):
-            msg = f"{owner}: config['zero_optimization'] must be an object; got {summary(zero)}."
-            raise ValueError(msg)
-        _agree(
-            owner,
-            "zero_stage",
-            self.zero_stage,
-            "zero_optimization.stage",
-            zero.get("stage"),
-        )
-        stage = self.stage
-        if stage not in _STAGES:
-            msg = (
-                f"{owner}: the ZeRO stage must be 1, 2 or 3; got {stage!r}. For "
-                "replicated training without ZeRO use wrap_model's DDP path (no "
-                "deepspeed=)."
-            )
-            raise ValueError(msg)
-        _agree(
-            owner,
-            "offload_optimizer",
-            self.offload_optimizer,
-            "zero_optimization.offload_optimizer",
-            _offloaded(zero, "offload_optimizer"),
-        )
-        _agree(
-            owner,
-            "offload_param",
-            self.offload_param,
-            "zero_optimization.offload_param",
-            _offloaded(zero, "offload_param"),
-        )
-        if self._offload("offload_param") and stage != 3:
-            msg = f"{owner}: offload_param needs ZeRO stage 3; got stage {stage}. Set zero_stage=3 or offload_param=False."
-            raise ValueError(msg)
-        _agree(
-            owner,
-            "gradient_clipping",
-            clip,
-            "gradient_clipping",
-            read.get("gradient_clipping"),
-        )
-        _agree(
-            owner,
-            "micro_batch_size",
-            self.micro_batch_size,
-            "train_micro_batch_size_per_gpu",
-            read.get("train_micro_batch_size_per_gpu"),
-        )
+            fail_value(owner, "config['zero_optimization']", zero, "an object")
+        for field, key in _CONFIG_KEYS.items():
+            _agree(owner, field, getattr(self, field), key, _configured(read, key))
+        check_choice(owner, "the ZeRO stage", self.stage, _STAGES, hint=_NO_ZERO)
+        if self._offload("offload_param") and self.stage != 3:
+            fail_value(owner, "the ZeRO stage", self.stage, _OFFLOADS, _STAGE_3)
 
     @property
     def stage(self) -> int:
@@ -210,6 +170,15 @@ def _offloaded(zero: Mapping[str, Any], name: str) -> bool | None:
     return section.get("device", "none") not in ("none", None)
 
 
+def _configured(config: dict[str, Any], key: str) -> object:
+    """Return the value ``config`` sets at ``key`` (``"section.name"`` or ``"name"``)."""
+    section, _, name = key.rpartition(".")
+    if not section:
+        return config.get(name)
+    zero = config.get(section, {})
+    return _offloaded(zero, name) if name.startswith("offload") else zero.get(name)
+
+
 def _agree(owner: str, field: str, value: object, key: str, configured: object) -> None:
     if value is None or configured is None or value == configured:
         return
@@ -220,14 +189,18 @@ def _agree(owner: str, field: str, value: object, key: str, configured: object) 
     raise ValueError(msg)
 
 
-def _conflict(
-    caller: str, key: str, configured: object, known: object, source: str
-) -> ValueError:
-    return ValueError(
+def _refuse_other(
+    caller: str, key: str, configured: object, same: bool, known: object, source: str
+) -> None:
+    """Refuse a config value other than funcaccel's (``None`` or ``"auto"`` defer)."""
+    if configured in (None, "auto") or same:
+        return
+    msg = (
         f"{caller}: the DeepSpeed config sets {key}={configured!r}, but {source} is "
         f"{known!r}; funcaccel never chooses between them silently: remove {key} "
         f"from the config or change {source}."
     )
+    raise ValueError(msg)
 
 
 def merged_config(
@@ -261,56 +234,25 @@ def merged_config(
     """
     assert isinstance(options.config, dict)
     config: dict[str, Any] = json.loads(json.dumps(options.config))
-    k = grad.accumulation_steps
-    configured = config.get("gradient_accumulation_steps")
-    if configured not in (None, "auto") and configured != k:
-        raise _conflict(
-            caller,
-            "gradient_accumulation_steps",
-            configured,
-            k,
-            "GradState.accumulation_steps",
-        )
+    k, p, mp = grad.accumulation_steps, ctx.num_processes, ctx.mixed_precision
+    steps = config.get("gradient_accumulation_steps")
+    source = "GradState.accumulation_steps"
+    _refuse_other(caller, "gradient_accumulation_steps", steps, steps == k, k, source)
     config["gradient_accumulation_steps"] = k
-    for name, wanted in (
-        ("fp16", ctx.mixed_precision == "fp16"),
-        ("bf16", ctx.mixed_precision == "bf16"),
-    ):
-        section = config.get(name, {})
+    for name in ("fp16", "bf16"):
+        section, wanted = config.get(name, {}), mp == name
         if not isinstance(section, dict):
-            msg = f"{caller}: the DeepSpeed config's {name} must be an object; got {summary(section)}."
-            raise ValueError(msg)
-        enabled = section.get("enabled")
-        if enabled not in (None, "auto") and bool(enabled) != wanted:
-            raise _conflict(
-                caller,
-                f"{name}.enabled",
-                enabled,
-                ctx.mixed_precision,
-                "ctx.mixed_precision",
-            )
+            fail_value(caller, f"the DeepSpeed config's {name}", section, "an object")
+        on, key = section.get("enabled"), f"{name}.enabled"
+        _refuse_other(caller, key, on, bool(on) == wanted, mp, "ctx.mixed_precision")
         config[name] = {**section, "enabled": wanted}
     micro = options.micro_batch_size or config.get("train_micro_batch_size_per_gpu")
     micro = 1 if micro in (None, "auto") else micro
-    config["train_micro_batch_size_per_gpu"] = micro
-    total = micro * k * ctx.num_processes
-    configured = config.get("train_batch_size")
-    if configured not in (None, "auto") and configured != total:
-        raise _conflict(
-            caller,
-            "train_batch_size",
-            configured,
-            total,
-            f"micro-batch size x accumulation steps x processes ({micro} x {k} x {ctx.num_processes})",
-        )
-    config["train_batch_size"] = total
-    zero = dict(config.get("zero_optimization", {}))
-    zero["stage"] = options.stage
-    for name in ("offload_optimizer", "offload_param"):
-        value = getattr(options, name)
-        if value is not None and _offloaded(zero, name) is None:
-            zero[name] = {"device": "cpu" if value else "none"}
-    config["zero_optimization"] = zero
+    total, batch = micro * k * p, config.get("train_batch_size")
+    source = f"micro-batch size x accumulation steps x processes ({micro} x {k} x {p})"
+    _refuse_other(caller, "train_batch_size", batch, batch == total, total, source)
+    config.update(train_micro_batch_size_per_gpu=micro, train_batch_size=total)
+    config["zero_optimization"] = _zero_section(options, config)
     if options.gradient_clipping is not None:
         config["gradient_clipping"] = options.gradient_clipping
     # DeepSpeed's own default clips every step's norm to 1.0; funcaccel clips only
@@ -318,3 +260,14 @@ def merged_config(
     config.setdefault("gradient_clipping", 0.0)
     config.setdefault("zero_allow_untested_optimizer", True)
     return config
+
+
+def _zero_section(options: DeepSpeedOptions, config: dict[str, Any]) -> dict[str, Any]:
+    """Return the config's ``zero_optimization`` with the stage and offloads of ``options``."""
+    zero = dict(config.get("zero_optimization", {}))
+    zero["stage"] = options.stage
+    for name in ("offload_optimizer", "offload_param"):
+        value = getattr(options, name)
+        if value is not None and _offloaded(zero, name) is None:
+            zero[name] = {"device": "cpu" if value else "none"}
+    return zero

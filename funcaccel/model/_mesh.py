@@ -160,31 +160,17 @@ def check_mesh_wrapping(
     """
     _check_plan(caller, mesh, tp_plan, model)
     shape = f"shape {mesh.shape}"
+    unsharded = f"an FSDPOptions on a mesh with dp_shard > 1 ({shape})"
     if fsdp is None and mesh.dp_shard > 1:
-        fail_value(
-            caller,
-            "fsdp",
-            fsdp,
-            f"an FSDPOptions on a mesh with dp_shard > 1 ({shape})",
-            _SHARD_OR_REPLICATE,
-        )
+        fail_value(caller, "fsdp", fsdp, unsharded, _SHARD_OR_REPLICATE)
+    one_rank = f"None on a mesh with one data-parallel rank ({shape}): nothing to shard"
     if fsdp is not None and mesh.dp_size == 1 and ctx.num_processes > 1:
-        fail_value(
-            caller,
-            "fsdp",
-            fsdp,
-            f"None on a mesh with one data-parallel rank ({shape}): nothing to shard over",
-            _TP_ONLY,
-        )
+        fail_value(caller, "fsdp", fsdp, one_rank, _TP_ONLY)
     if fsdp is not None:
         check_fsdp_options(caller, ctx, fsdp, shard_size=mesh.dp_shard)
+    no_ddp = f"None on a tensor-parallel mesh (tp={mesh.tp}), which DDP does not wrap"
     if kwargs != DistributedDataParallelKwargs() and mesh.tp > 1:
-        fail_value(
-            caller,
-            "ddp_kwargs",
-            changed_fields(kwargs),
-            f"None on a tensor-parallel mesh (tp={mesh.tp}), which DDP does not wrap",
-        )
+        fail_value(caller, "ddp_kwargs", changed_fields(kwargs), no_ddp)
     if ctx.num_processes > 1 and mesh.device_mesh is None:
         msg = f"{caller}: the mesh ({shape}) has no DeviceMesh: it was built by hand or before the process group started; build it with build_mesh(ctx, ...) after build_context()."
         raise RuntimeError(msg)
@@ -319,13 +305,11 @@ def wrap_mesh(
         optimizers: optimizers already built on ``model``'s parameters.
 
     Returns:
-        ``model`` (parallelized in place) or a DDP module wrapping it.
+        ``model``, parallelized in place, or a DDP module wrapping it.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: a mesh of another rank or world; a plan that does not fit the
-            mesh or the model; ``dp_shard > 1`` without ``fsdp``; ``fsdp`` with one
-            data-parallel rank; ``ddp_kwargs`` with ``tp > 1``.
+        ValueError: what does not fit the mesh (docs/model.md lists it).
         RuntimeError: several processes and no process group or ``DeviceMesh``.
 
     >>> from funcaccel.context import DistributedContext

@@ -1,9 +1,9 @@
-"""Models built on the ``meta`` device: materialised by ``wrap_model``, one module at a time.
+"""Models built on the ``meta`` device: ``materialize_meta``, one module at a time.
 
 A model built under ``with torch.device("meta"):`` (or Accelerate's
 ``init_empty_weights``) has the shapes of its parameters but no storage.
 ``wrap_model`` shards it first (tensor parallelism, FSDP2: both work on meta
-tensors), then materialises it here: every module that holds a meta parameter or
+tensors), then materialises it here (``wrap_materialized``): every module that holds a meta parameter or
 buffer of its own is visited in ``model.modules()`` order; its own tensors are
 built **in full** on ``ctx.device`` and initialised (``init_fn(module)``, else
 ``module.reset_parameters()``), and each sharded (``DTensor``) parameter keeps

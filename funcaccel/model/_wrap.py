@@ -51,12 +51,12 @@ from funcaccel.model._wrappers import check_unwrapped
 __all__ = ["move_optimizer_state_", "wrap_model"]
 
 _CALLER: Final = "wrap_model"
-_NO_MESH: Final = "None without a mesh (tp_plan needs a mesh with tp > 1)"
-_PASS_MESH: Final = "Pass mesh=build_mesh(ctx, tp=...) as well, or tp_plan=None."
 _DEEPSPEED: Final = (
     "a DeepSpeedOptions when scheduler= or grad= is given (they configure a "
     "DeepSpeed engine)"
 )
+_NO_MESH: Final = "None without a mesh (tp_plan needs a mesh with tp > 1)"
+_PASS_MESH: Final = "Pass mesh=build_mesh(ctx, tp=...) as well, or tp_plan=None."
 _ALONE: Final = "None with deepspeed= (a DeepSpeed engine cannot be combined)"
 
 
@@ -103,7 +103,12 @@ def wrap_model(
     ``wrap_model(ctx, net, fsdp=FSDPOptions(), optimizers=opt)`` returns ``net``
     sharded in place (rank 0 keeps the first half of each weight's rows), with
     ``opt`` holding the new parameters. docs/model.md has the full semantics,
-    the per-rank examples and every error.
+    the per-rank examples and every error (``TypeError``, ``ValueError``, and
+    ``RuntimeError`` for a missing process group).
+
+    >>> net = torch.nn.Linear(2, 1)  # one process: nothing to shard
+    >>> wrap_model(DistributedContext(), net, fsdp=FSDPOptions()) is net
+    True
     """
     _check_arguments(ctx, model, ddp_kwargs, fsdp)
     opts = as_optimizers(_CALLER, optimizers)
