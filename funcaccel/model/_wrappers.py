@@ -29,7 +29,7 @@ from funcaccel._dist_types import is_fsdp_module
 
 __all__ = ["check_unwrapped", "unwrap_model"]
 
-MODULE: Final = "a torch.nn.Module"
+_MODULE: Final = "a torch.nn.Module"
 _PASS_MODULE: Final = "Pass the module itself, not its parameters or state_dict."
 _UNWRAP: Final = "pass unwrap_model(model), or use the wrapped model as it is."
 
@@ -44,7 +44,7 @@ def check_unwrapped(caller: str, ctx: object, model: object) -> nn.Module:
     """
     check_context(caller, ctx)
     model = check_type(
-        caller, "model", model, nn.Module, what=MODULE, hint=_PASS_MODULE
+        caller, "model", model, nn.Module, what=_MODULE, hint=_PASS_MODULE
     )
     inner = inside_compile(model)
     wrappers = (DistributedDataParallel, DataParallel)
@@ -90,7 +90,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     >>> unwrap_model(nn.DataParallel(net)) is net
     True
     """
-    model = check_type("unwrap_model", "model", model, nn.Module, what=MODULE)
+    model = check_type("unwrap_model", "model", model, nn.Module, what=_MODULE)
     compiled = _compiled_module_type()
     while True:
         if compiled is not None and isinstance(model, compiled):
