@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from funcaccel.context import DistributedContext
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests._scripts import REPO
 from tests._scripts import Finished
 from tests._scripts import run_script
@@ -185,7 +185,9 @@ def test_a_stopped_and_resumed_run_ends_like_an_unbroken_one(
     if world_size == 1:  # in this process: the example's train() needs no group
         results = [_whole_stopped_resumed(DistributedContext(), tmp_path)]
     else:
-        results = run_ranks(_whole_stopped_resumed, 2, tmp_path / "group", tmp_path)
+        results = run_ranks(
+            _whole_stopped_resumed, 2, tmp_path, start_method="forkserver"
+        )
     for whole, stopped, resumed in results:
         assert stopped is None
         assert isinstance(whole, str) and resumed == whole

@@ -31,7 +31,7 @@ from funcaccel import wrap_model
 from funcaccel.checkpoint._deepspeed_state import check_engine_format
 from funcaccel.context import DistributedContext
 from funcaccel.model._deepspeed_options import merged_config
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -267,7 +267,7 @@ def test_zero_stages_on_two_ranks(tmp_path: Path) -> None:
     """ZeRO-2 and ZeRO-3 over windows of 3, 3 and a short 1 equal DDP and one
     process; ZeRO-3's export is the full model; a stop and resume ends bit for bit
     like the unbroken run; clip_grad_norm_ on an engine's parameters is refused."""
-    results = run_ranks(_ds_worker, 2, tmp_path, tmp_path)
+    results = run_ranks(_ds_worker, 2, tmp_path, start_method="forkserver")
     reference = _reference(2)
     for rank in results:
         for name in ("ddp", "zero2", "zero3"):

@@ -13,11 +13,11 @@ import torch
 
 from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
 from funcaccel.tracking import MLflowTracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import store_config
+from tests.fixtures import rank_ctx
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -29,14 +29,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 SINGLE = DistributedContext()
-
-
-def _rank(rank: int, world: int = 2) -> DistributedContext:
-    return DistributedContext(
-        num_processes=world,
-        process_index=rank,
-        distributed_type=DistributedType.MULTI_CPU,
-    )
 
 
 def _any(value: object) -> Any:
@@ -173,9 +165,9 @@ def test_mlflow_tracker_on_a_non_main_rank_writes_nothing(tmp_path: Path) -> Non
     pytest.importorskip("mlflow")
     database = tmp_path / "runs" / "mlflow.db"
     tracker = MLflowTracker(database)
-    store_config(_rank(1), [tracker], {"lr": 0.1})
-    log_metrics(_rank(1), [tracker], {"loss": 0.5}, step=3)
-    finish_trackers(_rank(1), [tracker])
+    store_config(rank_ctx(2, 1), [tracker], {"lr": 0.1})
+    log_metrics(rank_ctx(2, 1), [tracker], {"loss": 0.5}, step=3)
+    finish_trackers(rank_ctx(2, 1), [tracker])
     assert (tracker.run_id, list(tmp_path.iterdir())) == (None, [])
 
 
@@ -192,8 +184,8 @@ def test_mlflow_tracker_not_main_process_only_logs_on_every_rank(
         for rank in (0, 1)
     }
     for rank, tracker in trackers.items():
-        log_metrics(_rank(rank), [tracker], {"loss": float(rank)}, step=1)
-        finish_trackers(_rank(rank), [tracker])
+        log_metrics(rank_ctx(2, rank), [tracker], {"loss": float(rank)}, step=1)
+        finish_trackers(rank_ctx(2, rank), [tracker])
     client = _client(database)
     for rank, tracker in trackers.items():
         run_id = tracker.run_id

@@ -22,7 +22,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 STEPS: int = 3
 LR: float = 0.1
@@ -138,8 +138,8 @@ def _order_worker(ctx: DistributedContext) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def order_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_order_worker, 2, tmp_path_factory.mktemp("order"))
+def order_results() -> list[dict[str, Any]]:
+    return run_ranks(_order_worker, 2, start_method="forkserver")
 
 
 def _assert_close(got: Params, want: Params) -> None:

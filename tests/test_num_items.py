@@ -38,7 +38,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.grad_state import check_num_items
 from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.mixed_precision import build_grad_scaler
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 F64 = torch.float64
@@ -269,13 +269,13 @@ FOUR = ["ddp", "fsdp"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, 2, tmp_path_factory.mktemp("num_items_2"), TWO)
+def two_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_scenarios, 2, TWO, start_method="forkserver")
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_scenarios, 4, tmp_path_factory.mktemp("num_items_4"), FOUR)
+def four_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_scenarios, 4, FOUR, start_method="forkserver")
 
 
 def _check_run(

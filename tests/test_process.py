@@ -20,7 +20,7 @@ import pytest
 import funcaccel as fa
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 RANK1 = DistributedContext(
@@ -248,7 +248,11 @@ def dist_results(
     base = tmp_path_factory.mktemp(f"process{world}")
     log_dir = base / "log"
     log_dir.mkdir()
-    return world, run_ranks(_scenarios, world, base / "ranks", log_dir), log_dir
+    return (
+        world,
+        run_ranks(_scenarios, world, log_dir, start_method="forkserver"),
+        log_dir,
+    )
 
 
 def _stamps(log_dir: Path, world: int) -> list[dict[str, float]]:

@@ -14,7 +14,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.kwargs import ProfileKwargs
 from funcaccel.profiler import build_profiler
 from funcaccel.profiler import profiler_trace_path
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 # torch warns once per process when a second schedule window starts without
@@ -246,7 +246,7 @@ def _profile_every_rank(ctx: DistributedContext, out: Path) -> list[str]:
 def test_build_profiler_on_two_processes_writes_one_trace_per_rank(
     tmp_path: Path,
 ) -> None:
-    yielded = run_ranks(_profile_every_rank, 2, tmp_path / "run", tmp_path)
+    yielded = run_ranks(_profile_every_rank, 2, tmp_path, start_method="forkserver")
     assert yielded == [["NoneType"], ["profile"]]
     all_dir = tmp_path / "all"
     assert sorted(p.name for p in all_dir.iterdir()) == [

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from funcaccel.loader import shard_loader
 from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
@@ -366,9 +365,7 @@ def _split_worker(ctx: DistributedContext, split: bool) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("split", [False, True])
-def test_maybe_step_scheduler_follows_the_loader_on_two_processes(
-    tmp_path: Path, split: bool
-) -> None:
-    for result in run_ranks(_split_worker, 2, tmp_path, split):
+def test_maybe_step_scheduler_follows_the_loader_on_two_processes(split: bool) -> None:
+    for result in run_ranks(_split_worker, 2, split, start_method="forkserver"):
         assert result["count"] == 5
         assert result["forgotten"].startswith("maybe_step_scheduler: with 2 processes")

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
+from funcaccel.testing import run_ranks
 from funcaccel.tracking import CSVTracker
 from funcaccel.tracking import InMemoryTracker
 from funcaccel.tracking import JSONLTracker
@@ -34,17 +34,9 @@ from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 from funcaccel.tracking import store_config
 from funcaccel.tracking import trackers_from_names
-from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 SINGLE = DistributedContext()
-
-
-def _rank(rank: int, world: int = 2) -> DistributedContext:
-    return DistributedContext(
-        num_processes=world,
-        process_index=rank,
-        distributed_type=DistributedType.MULTI_CPU,
-    )
 
 
 class _Recorder:
@@ -101,7 +93,7 @@ def test_main_process_only_trackers_run_on_rank_zero_only(
     rank: int, called: bool
 ) -> None:
     recorder = _Recorder()
-    ctx = _rank(rank, world=3)
+    ctx = rank_ctx(3, rank)
     log_metrics(ctx, [recorder], {"loss": 0.5}, step=3)
     store_config(ctx, [recorder], {"lr": 0.1})
     finish_trackers(ctx, [recorder])
@@ -111,7 +103,7 @@ def test_main_process_only_trackers_run_on_rank_zero_only(
 def test_every_rank_tracker_runs_on_other_ranks() -> None:
     everywhere = InMemoryTracker(main_process_only=False)
     main_only = InMemoryTracker()
-    log_metrics(_rank(1), [everywhere, main_only], {"loss": 0.5})
+    log_metrics(rank_ctx(2, 1), [everywhere, main_only], {"loss": 0.5})
     assert [(r.step, r.values) for r in everywhere.logs] == [(None, {"loss": 0.5})]
     assert main_only.logs == ()
 
@@ -202,7 +194,7 @@ def _log_on_each_rank(ctx: DistributedContext, out: Path) -> list[int | None]:
 
 @pytest.mark.distributed
 def test_log_metrics_on_two_processes_writes_from_rank_zero(tmp_path: Path) -> None:
-    steps = run_ranks(_log_on_each_rank, 2, tmp_path / "run", tmp_path)
+    steps = run_ranks(_log_on_each_rank, 2, tmp_path, start_method="forkserver")
     assert steps == [[0], [1]]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["rank"] for line in lines] == [0]
@@ -310,8 +302,8 @@ def test_file_trackers_touch_nothing_before_first_gated_call(
     tmp_path: Path, kind: str
 ) -> None:
     tracker = FILE_TRACKERS[kind](tmp_path)
-    log_metrics(_rank(1), [tracker], {"loss": 1.0})
-    finish_trackers(_rank(1), [tracker])
+    log_metrics(rank_ctx(2, 1), [tracker], {"loss": 1.0})
+    finish_trackers(rank_ctx(2, 1), [tracker])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -503,7 +495,7 @@ def test_tensorboard_tracker_writes_events_read_back(tmp_path: Path) -> None:
 
     logdir = tmp_path / "run"
     tracker = TensorBoardTracker(logdir)
-    log_metrics(_rank(1), [tracker], {"loss": 1.0})
+    log_metrics(rank_ctx(2, 1), [tracker], {"loss": 1.0})
     assert not logdir.exists()  # nothing before the first gated call
     store_config(SINGLE, [tracker], {"lr": 0.1, "opt": "adam", "sched": None})
     log_metrics(
@@ -572,7 +564,7 @@ def test_tracker_base_checks_before_the_backend_writes() -> None:
         False,
         False,
     )
-    log_metrics(_rank(1), [tracker], {"loss": _any(torch.tensor(0.5))}, step=2)
+    log_metrics(rank_ctx(2, 1), [tracker], {"loss": _any(torch.tensor(0.5))}, step=2)
     store_config(SINGLE, [tracker], {"lr": np.float64(0.1), "sched": None})
     with pytest.raises(ValueError, match=r"_ListTracker.log: step \(-1\) must be >= 0"):
         tracker.log({"loss": 1.0}, step=-1)
@@ -662,7 +654,7 @@ def test_trackers_from_names_all_is_every_installed_tracker(
     ] == everything
     for package in ("tensorboard", "wandb"):
         monkeypatch.setitem(sys.modules, package, None)
-    built = trackers_from_names(_rank(1), ("all",), tmp_path)
+    built = trackers_from_names(rank_ctx(2, 1), ("all",), tmp_path)
     assert [t.name for t in built] == ["jsonl", "csv", "mlflow"]
 
 

@@ -16,22 +16,14 @@ import pytest
 import torch
 
 from funcaccel.context import DistributedContext
-from funcaccel.context import DistributedType
+from funcaccel.testing import run_ranks
 from funcaccel.tracking import WandbTracker
 from funcaccel.tracking import finish_trackers
 from funcaccel.tracking import log_metrics
 from funcaccel.tracking import store_config
-from tests._dist import run_ranks
+from tests.fixtures import rank_ctx
 
 SINGLE = DistributedContext()
-
-
-def _rank(rank: int, world: int = 2) -> DistributedContext:
-    return DistributedContext(
-        num_processes=world,
-        process_index=rank,
-        distributed_type=DistributedType.MULTI_CPU,
-    )
 
 
 def _any(value: object) -> Any:
@@ -195,9 +187,9 @@ def test_wandb_tracker_rejects_bad_arguments(
 def test_wandb_tracker_on_a_non_main_rank_writes_nothing(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     tracker = WandbTracker(tmp_path / "runs", mode="offline")
-    store_config(_rank(1), [tracker], {"lr": 0.1})
-    log_metrics(_rank(1), [tracker], {"loss": 0.5}, step=3)
-    finish_trackers(_rank(1), [tracker])
+    store_config(rank_ctx(2, 1), [tracker], {"lr": 0.1})
+    log_metrics(rank_ctx(2, 1), [tracker], {"loss": 0.5}, step=3)
+    finish_trackers(rank_ctx(2, 1), [tracker])
     assert (tracker.run_id, tracker.run_dir, list(tmp_path.iterdir())) == (
         None,
         None,
@@ -274,7 +266,7 @@ def _log_with_wandb(ctx: DistributedContext, out: Path) -> str | None:
 def test_wandb_tracker_on_two_processes_writes_from_rank_zero(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     out = tmp_path / "runs"
-    run_ids = run_ranks(_log_with_wandb, 2, tmp_path / "rendezvous", out)
+    run_ids = run_ranks(_log_with_wandb, 2, out, start_method="forkserver")
     assert run_ids[0] is not None and run_ids[1] is None
     (run_dir,) = (out / "wandb").glob("offline-run-*")
     config, history, run = _read_run(run_dir)
