@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import funcaccel as fa
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 
@@ -270,7 +270,11 @@ def dist_results(
     base = tmp_path_factory.mktemp(f"sync{world}")
     log_dir = base / "log"
     log_dir.mkdir()
-    return world, run_ranks(_scenarios, world, base / "ranks", log_dir), log_dir
+    return (
+        world,
+        run_ranks(_scenarios, world, log_dir, start_method="forkserver"),
+        log_dir,
+    )
 
 
 @pytest.mark.distributed
