@@ -57,6 +57,11 @@ StartMethod = Literal["spawn", "fork", "forkserver"]
 _START_METHODS: Final = ("spawn", "fork", "forkserver")
 _POLL_S: Final = 0.02
 _TRACEBACK_CHARS: Final = 8_000
+# pick_start_method, where fork is needed and missing.
+_SENDABLE: Final = "importable by a new interpreter, with picklable arguments"
+_FIX: Final = (
+    "Define fn in a module (a .py file), not interactively, a lambda or a closure."
+)
 # A fork server imports these once; every child forked from it starts with them.
 _FORKSERVER_PRELOAD: Final = ("torch", "torch.distributed", "funcaccel")
 
@@ -159,14 +164,11 @@ def pick_start_method(
         needs_fork = finder.uses_main and _is_interactive_main()
     if not needs_fork:
         return "spawn"
+    name = getattr(fn, "__qualname__", fn)
     if "fork" not in multiprocessing.get_all_start_methods():
-        msg = (
-            f"launch: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be "
-            f"sent to a new interpreter (defined interactively, a lambda or a closure) "
-            f"and {sys.platform} has no fork; define fn in a module (a .py file) and "
-            "pass picklable arguments."
+        fail_value(
+            "launch", "fn", name, f"{_SENDABLE} ({sys.platform} has no fork)", _FIX
         )
-        raise ValueError(msg)
     return "fork"
 
 

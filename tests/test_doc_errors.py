@@ -448,8 +448,8 @@ TRIGGERS: Final[dict[str, Trigger]] = {
         [None, "OSError: disk full"], _save_load._FAILED, "save_checkpoint"
     ),
     # collectives.md
-    "TypeError: gather: data['x'] is a int (3); data must be a tensor or a list / "
-    "tuple / dict of tensors; ...": lambda _: fa.gather(ONE, {"x": 3}),
+    "TypeError: gather: data['x'] must be a tensor (in a list / tuple / dict); got 3 "
+    "(int). ...": lambda _: fa.gather(ONE, {"x": 3}),
     "ValueError: gather: data must have the same dtype and every dim but 0 on every "
     "rank; got rank 0: (4, 16) torch.float32, rank 1: (4, 12) torch.float32. "
     "...": lambda _: _two_ranks_gather(
@@ -603,8 +603,9 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "shard batches across 2 processes; got None. ...": lambda _: fa.shard_loader(
         _world(2), _loader(batch_size=_bad(None))
     ),
-    "ValueError: iter_batches: cannot resume 4 samples into the epoch with "
-    "total_batch_size 8; ...": lambda _: _first(
+    "ValueError: iter_batches: the samples state counts (global_batches * "
+    "global_batch_size) must be a multiple of this loader's total_batch_size (8); "
+    "got 4. ...": lambda _: _first(
         fa.shard_loader(ONE, _loader(16, 8)),
         fa.LoaderState(global_batches=1, global_batch_size=4),
     ),

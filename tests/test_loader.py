@@ -552,9 +552,9 @@ def test_resume_worked_example_across_world_sizes() -> None:
     assert four == [[[4], [8]], [[5], [9]], [[6], [0]], [[7], [1]]]
     loader = shard_loader(rank_ctx(4, 0), DataLoader(Indexed(10), batch_size=2))
     message = (
-        r"iter_batches: cannot resume 4 samples into the epoch with total_batch_size 8; "
-        r"use a world size and batch size whose global batch divides 4, or resume at an "
-        r"epoch start"
+        r"iter_batches: the samples state counts \(global_batches \* global_batch_size\)"
+        r" must be a multiple of this loader's total_batch_size \(8\); got 4\. Resume "
+        r"at an epoch start"
     )
     with pytest.raises(ValueError, match=message):
         iter_batches(loader, state)
@@ -809,7 +809,9 @@ def test_dynamic_batch_sampler_resumes_in_its_own_batches() -> None:
         records[1:]
     )
     with pytest.raises(
-        ValueError, match=r"iter_batches: the loader has no fixed total_batch_size"
+        ValueError,
+        match=r"iter_batches: state\.global_batch_size must be 0 for a loader with a "
+        r"dynamic batch sampler \(no total_batch_size\); got 4\.",
     ):
         iter_batches(loader, LoaderState(global_batches=1, global_batch_size=4))
     assert batches == [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
@@ -849,7 +851,7 @@ def test_loader_state_from_dict_rejects_other_shapes() -> None:
     with pytest.raises(ValueError, match=r"got \['epoch'\]"):
         LoaderState.from_dict({"epoch": 1})
     extra = {**LoaderState().to_dict(), "step": 3}
-    with pytest.raises(ValueError, match=r"exactly the keys"):
+    with pytest.raises(ValueError, match=r"the keys of data must be exactly \["):
         LoaderState.from_dict(extra)
     assert extra["step"] == 3 and len(extra) == 4  # not modified
 

@@ -159,8 +159,8 @@ def test_split_leaves_inputs_unchanged_and_returns_new_containers() -> None:
 def test_split_of_a_dict_with_unequal_lengths_names_them() -> None:
     with pytest.raises(
         ValueError,
-        match=r"split_between_processes: every value of a dict must have the same "
-        r"length; got lengths \{'a': 3, 'b': 2\}",
+        match=r"split_between_processes: the lengths of inputs' values must be equal; "
+        r"got \{'a': 3, 'b': 2\}\. Split",
     ):
         fa.split_between_processes(ONE, {"a": [1, 2, 3], "b": torch.zeros(2)})
 

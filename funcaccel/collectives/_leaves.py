@@ -12,14 +12,19 @@ path (``data['x'][0]``, ``data.field``).
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
-from funcaccel._checks import summary
-from funcaccel._checks import type_name
+from funcaccel._checks import fail_type
 from funcaccel._tree import flatten
 from funcaccel._tree import spec_paths
 
 __all__ = ["is_tensor_tree", "tensor_leaves"]
+
+_FIX: Final = (
+    "Convert the leaf with torch.as_tensor, or use gather_object for arbitrary objects."
+)
 
 
 def tensor_leaves(
@@ -34,12 +39,7 @@ def tensor_leaves(
     paths = spec_paths(spec, "data")
     for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
-            msg = (
-                f"{caller}: {path} is a {type_name(leaf)} ({summary(leaf, 60)}); "
-                "data must be a tensor or a list / tuple / dict of tensors; convert the "
-                "leaf with torch.as_tensor or use gather_object for arbitrary objects."
-            )
-            raise TypeError(msg)
+            fail_type(caller, path, leaf, "a tensor (in a list / tuple / dict)", _FIX)
     tensors: list[torch.Tensor] = [
         t.reshape(1) if rows and t.ndim == 0 else t for t in leaves
     ]

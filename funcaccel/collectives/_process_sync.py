@@ -48,6 +48,7 @@ __all__ = [
     "wait_for_everyone",
 ]
 
+_FIX_LENGTHS: Final = "Split a dict whose values hold one item per sample each."
 _FIX_0D: Final = "Pass a tensor with at least one dim (t.reshape(1))."
 
 T = TypeVar("T")
@@ -223,13 +224,9 @@ def _length(caller: str, name: str, value: object) -> int:
 def _dict_length(caller: str, inputs: dict[Any, Any]) -> int:
     lengths = {key: _length(caller, f"inputs[{key!r}]", v) for key, v in inputs.items()}
     if len(set(lengths.values())) > 1:
-        shown = ", ".join(f"{k!r}: {n}" for k, n in list(lengths.items())[:8])
-        more = ", ..." if len(lengths) > 8 else ""
-        msg = (
-            f"{caller}: every value of a dict must have the same length; got lengths "
-            f"{{{shown}{more}}}. Split values of equal length (one item per sample)."
+        fail_value(
+            caller, "the lengths of inputs' values", lengths, "equal", _FIX_LENGTHS
         )
-        raise ValueError(msg)
     return next(iter(lengths.values()), 0)
 
 

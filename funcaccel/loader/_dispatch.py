@@ -41,6 +41,21 @@ __all__ = ["dispatch_epoch"]
 
 SliceFn = Callable[[Any, slice], Any]
 _FIX: Final = "use a collate_fn that pads to a fixed length, split_batches=True or dispatch_batches=False"
+_FIX_0D: Final = (
+    "return tensors with a batch dimension from collate_fn, or dispatch_batches=False"
+)
+
+
+def _rejected(
+    kind: type[TypeError] | type[ValueError], problem: str, fix: str = ""
+) -> _Rejected:
+    """Return the error every rank raises for a global batch dispatch cannot send."""
+    fix = fix or "use a collate_fn that returns only tensors, or dispatch_batches=False"
+    return _Rejected(kind(f"shard_loader: dispatch_batches=True {problem}; {fix}"))
+
+
+def _same(what: str) -> str:
+    return f"use a collate_fn that returns the same {what} for every batch, or dispatch_batches=False"
 
 
 class _Rejected(Exception):
@@ -63,20 +78,11 @@ def _flat_tensors(batch: Any, index: int) -> _Flat:
     paths = tuple(spec_paths(spec, "batch"))
     for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
-            msg = (
-                f"shard_loader: dispatch_batches=True can only send tensors, but leaf "
-                f"{path} of global batch {index} is a {type_name(leaf)} "
-                f"({summary(leaf, 40)}); use a collate_fn that returns only tensors, or "
-                "dispatch_batches=False"
-            )
-            raise _Rejected(TypeError(msg))
+            problem = f"can only send tensors, but leaf {path} of global batch {index} is a {type_name(leaf)} ({summary(leaf, 40)})"
+            raise _rejected(TypeError, problem)
         if leaf.dim() == 0:
-            msg = (
-                f"shard_loader: dispatch_batches=True cannot split leaf {path} of "
-                f"global batch {index}: it is a 0-d tensor with no rows; return "
-                "tensors with a batch dimension from collate_fn, or dispatch_batches=False"
-            )
-            raise _Rejected(ValueError(msg))
+            problem = f"cannot split leaf {path} of global batch {index}: it is a 0-d tensor with no rows"
+            raise _rejected(ValueError, problem, _FIX_0D)
     return _Flat(spec, paths, tuple(leaves))
 
 
@@ -84,28 +90,23 @@ def _concat(parts: list[_Flat], what: str) -> _Flat:
     """Concatenate flattened batches along dim 0 after checking they match."""
     first = parts[0]
     for number, part in enumerate(parts[1:], start=1):
+        specs = f"batch 0 is {first.spec.describe()} but batch {number} is"
         if part.spec != first.spec:
-            msg = (
-                f"shard_loader: dispatch_batches=True cannot {what}: the batches differ "
-                f"in structure: batch 0 is {first.spec.describe()} but batch {number} "
-                f"is {part.spec.describe()}; use a collate_fn that returns the same "
-                "structure for every batch, or dispatch_batches=False"
+            problem = f"cannot {what}: the batches differ in structure: {specs}"
+            raise _rejected(
+                ValueError, f"{problem} {part.spec.describe()}", _same("structure")
             )
-            raise _Rejected(ValueError(msg))
         for path, a, b in zip(first.paths, first.tensors, part.tensors, strict=True):
             if a.dtype != b.dtype:
-                msg = (
-                    f"shard_loader: dispatch_batches=True cannot {what}: leaf {path} "
-                    f"has dtypes {a.dtype} and {b.dtype}; use a collate_fn that returns "
-                    "the same dtype for every batch, or dispatch_batches=False"
+                problem = (
+                    f"cannot {what}: leaf {path} has dtypes {a.dtype} and {b.dtype}"
                 )
-                raise _Rejected(ValueError(msg))
+                raise _rejected(ValueError, problem, _same("dtype"))
             if a.shape[1:] != b.shape[1:]:
-                msg = (
-                    f"shard_loader: dispatch_batches=True cannot {what}: leaf {path} "
-                    f"has shapes {tuple(a.shape)} and {tuple(b.shape)}; {_FIX}"
+                shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
+                raise _rejected(
+                    ValueError, f"cannot {what}: leaf {path} has shapes {shapes}", _FIX
                 )
-                raise _Rejected(ValueError(msg))
     if len(parts) == 1:
         return first
     columns = zip(*(part.tensors for part in parts), strict=True)

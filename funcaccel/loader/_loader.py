@@ -25,11 +25,13 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
+from typing import Final
 
 from torch.utils.data import DataLoader
 
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
 from funcaccel.loader._placement import send_to_device
@@ -54,6 +56,14 @@ __all__ = [
     "send_to_device",
     "shard_loader",
 ]
+
+# iter_batches: a state this loader cannot resume from (docs/loader.md#errors).
+_SAMPLES: Final = "the samples state counts (global_batches * global_batch_size)"
+_DYNAMIC: Final = "0 for a loader with a dynamic batch sampler (no total_batch_size)"
+_FIX: Final = (
+    "Resume at an epoch start, or with a state from a loader whose global batch "
+    "divides the samples consumed (world size * batch size)."
+)
 
 
 class ShardedLoader:
@@ -259,23 +269,14 @@ def _skip(loader: ShardedLoader, state: LoaderState) -> int:
 def _consumed(loader: ShardedLoader, state: LoaderState) -> int:
     total = loader.total_batch_size
     if total is None:
-        if state.global_batch_size:
-            msg = (
-                f"iter_batches: the loader has no fixed total_batch_size (its batch "
-                f"sampler is dynamic), so a state counted in global batches of "
-                f"{state.global_batch_size} samples cannot be converted; resume with a "
-                "state from this loader (global_batch_size=0) or at an epoch start"
-            )
-            raise ValueError(msg)
+        size = state.global_batch_size
+        if size:
+            fail_value("iter_batches", "state.global_batch_size", size, _DYNAMIC, _FIX)
         return state.global_batches
     samples = state.global_batches * (state.global_batch_size or total)
+    what = f"a multiple of this loader's total_batch_size ({total})"
     if samples % total:
-        msg = (
-            f"iter_batches: cannot resume {samples} samples into the epoch with "
-            f"total_batch_size {total}; use a world size and batch size whose global "
-            f"batch divides {samples}, or resume at an epoch start"
-        )
-        raise ValueError(msg)
+        fail_value("iter_batches", _SAMPLES, samples, what, _FIX)
     return samples // total
 
 

@@ -13,8 +13,11 @@ from typing import Final
 
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
+from funcaccel._checks import fail_value
 
 __all__ = ["START", "Batch", "LoaderState", "make_batch"]
+
+_FIX: Final = "Pass the dict LoaderState.to_dict() returned."
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,13 +75,9 @@ class LoaderState:
         what = "a dict from LoaderState.to_dict()"
         data = check_type("LoaderState.from_dict", "data", data, dict, what=what)
         expected = {"epoch", "global_batches", "global_batch_size"}
+        keys, what = sorted(map(str, data)), f"exactly {sorted(expected)}"
         if set(data) != expected:
-            msg = (
-                f"LoaderState.from_dict: data must have exactly the keys "
-                f"{sorted(expected)}; got {sorted(map(str, data))}. Pass the dict "
-                "LoaderState.to_dict() returned."
-            )
-            raise ValueError(msg)
+            fail_value("LoaderState.from_dict", "the keys of data", keys, what, _FIX)
         return cls(
             epoch=data["epoch"],
             global_batches=data["global_batches"],
