@@ -48,8 +48,7 @@ from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
 from funcaccel.scheduler import maybe_step_scheduler
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests._scripts import REPO
 from tests._scripts import script_env
 
@@ -162,18 +161,10 @@ def _train(
     )
 
 
-def _alone(
-    rank: int, world: int, tmp: Path, root: Path, options: dict[str, Any]
-) -> _Run:
-    del rank, world, tmp  # one process, no group
-    return _train(DistributedContext(), root, **options)
-
-
-def _run(world: int, tmp: Path, root: Path, **options: Any) -> list[_Run]:
-    """Run ``_train`` on ``world`` fresh processes (no group for one)."""
-    if world == 1:
-        return run_processes(_alone, 1, tmp, root, options)
-    return run_ranks(_train, world, tmp, root, **options)
+def _run(world: int, root: Path, **options: Any) -> list[_Run]:
+    """Run ``_train`` on ``world`` fresh processes (for one: ``DistributedContext()``)."""
+    train = functools.partial(_train, **options)
+    return run_ranks(train, world, root, start_method="forkserver")
 
 
 def _assert_same_params(a: _Run, b: _Run) -> None:
@@ -206,8 +197,8 @@ def test_resumed_training_matches_an_uninterrupted_run_bit_for_bit(
     tmp_path: Path, world: int, fsdp: bool, steps: tuple[int, ...]
 ) -> None:
     root = tmp_path / "checkpoints"
-    reference = _run(world, tmp_path / "reference", root / "unused", fsdp=fsdp)
-    saving = _run(world, tmp_path / "saving", root, fsdp=fsdp, save_at=steps)
+    reference = _run(world, root / "unused", fsdp=fsdp)
+    saving = _run(world, root, fsdp=fsdp, save_at=steps)
     for rank in range(world):
         _assert_same_params(saving[rank], reference[rank])  # saving changes nothing
         assert saving[rank].seen == reference[rank].seen
@@ -215,9 +206,7 @@ def test_resumed_training_matches_an_uninterrupted_run_bit_for_bit(
     for step in steps:
         path = latest_checkpoint(root / f"step{step}")
         assert path is not None
-        resumed = _run(
-            world, tmp_path / f"resume{step}", root / "unused", fsdp=fsdp, resume=path
-        )
+        resumed = _run(world, root / "unused", fsdp=fsdp, resume=path)
         for rank in range(world):
             ours, theirs = resumed[rank], reference[rank]
             _assert_same_params(ours, theirs)
@@ -234,15 +223,15 @@ def test_a_checkpoint_from_two_processes_resumes_on_one_and_back(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "checkpoints"
-    one = _run(1, tmp_path / "one", root / "one", save_at=(5,))[0]
-    two = _run(2, tmp_path / "two", root / "two", save_at=(2,))
+    one = _run(1, root / "one", save_at=(5,))[0]
+    two = _run(2, root / "two", save_at=(2,))
     order = [_epoch(one.seen, e) for e in range(EPOCHS)]  # the global order
     assert all(sorted(o) == list(range(SAMPLES)) for o in order)
 
     # 2 -> 1 after 2 steps: 4 global batches of 4 samples were consumed.
     path = latest_checkpoint(root / "two" / "step2")
     assert path is not None
-    after = _run(1, tmp_path / "to_one", root / "unused", resume=path)[0]
+    after = _run(1, root / "unused", resume=path)[0]
     before = [i for run in two for i in _epoch(run.seen[: run.marks[2]], 0)]
     assert Counter(before) == Counter(order[0][:16])
     assert _epoch(after.seen, 0) == order[0][16:]
@@ -252,7 +241,7 @@ def test_a_checkpoint_from_two_processes_resumes_on_one_and_back(
     # continue with the last global batch (2 samples, looped back to fill it).
     path = latest_checkpoint(root / "one" / "step5")
     assert path is not None
-    resumed = _run(2, tmp_path / "to_two", root / "unused", resume=path)
+    resumed = _run(2, root / "unused", resume=path)
     assert _epoch(one.seen[: one.marks[5]], 0) == order[0][:20]
     for rank in range(2):
         rest = _epoch(two[rank].seen, 0)[(20 // 4) * BATCH :]
