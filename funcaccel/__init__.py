@@ -75,8 +75,13 @@ from funcaccel.mixed_precision import rescale_grads_ as rescale_grads_
 from funcaccel.mixed_precision import unscale_grads_ as unscale_grads_
 from funcaccel.model import DeepSpeedOptions as DeepSpeedOptions
 from funcaccel.model import FSDPOptions as FSDPOptions
+from funcaccel.model import materialize_meta as materialize_meta
 from funcaccel.model import move_optimizer_state_ as move_optimizer_state_
 from funcaccel.model import unwrap_model as unwrap_model
+from funcaccel.model import wrap_ddp as wrap_ddp
+from funcaccel.model import wrap_deepspeed as wrap_deepspeed
+from funcaccel.model import wrap_fsdp as wrap_fsdp
+from funcaccel.model import wrap_mesh as wrap_mesh
 from funcaccel.model import wrap_model as wrap_model
 from funcaccel.progress import progress as progress
 from funcaccel.rng import sync_rng_states as sync_rng_states
