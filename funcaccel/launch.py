@@ -177,21 +177,31 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
+def _group_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# What a forked child would inherit and could not use, and the fix for each.
+_FORK_HAZARDS: Final = (
+    (
+        _cuda_initialized,
+        "launch: start_method 'fork' but CUDA is already initialised in this "
+        "process, and a forked child cannot use it; restart the kernel and call "
+        "launch before any CUDA call, or define fn in a module so 'spawn' is used.",
+    ),
+    (
+        _group_initialized,
+        "launch: a default process group is initialised in this process, and a "
+        "forked child would inherit it; call torch.distributed."
+        "destroy_process_group() first, or use start_method='spawn'.",
+    ),
+)
+
+
 def _check_fork_is_safe() -> None:
-    if _cuda_initialized():
-        msg = (
-            "launch: start_method 'fork' but CUDA is already initialised in this "
-            "process, and a forked child cannot use it; restart the kernel and call "
-            "launch before any CUDA call, or define fn in a module so 'spawn' is used."
-        )
-        raise RuntimeError(msg)
-    if dist.is_available() and dist.is_initialized():
-        msg = (
-            "launch: a default process group is initialised in this process, and a "
-            "forked child would inherit it; call torch.distributed."
-            "destroy_process_group() first, or use start_method='spawn'."
-        )
-        raise RuntimeError(msg)
+    for hazard, message in _FORK_HAZARDS:
+        if hazard():
+            raise RuntimeError(message)
 
 
 def _outcome_path(rundir: Path, rank: int) -> Path:

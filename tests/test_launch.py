@@ -221,6 +221,22 @@ def test_launch_refuses_bad_arguments(
         launch(_rank_and_sum, 1.0, **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("initialised", "match"),
+    [
+        ("torch.cuda.is_initialized", r"^launch: start_method 'fork' but CUDA is"),
+        ("torch.distributed.is_initialized", r"^launch: a default process group is"),
+    ],
+)
+def test_launch_refuses_to_fork_what_a_child_cannot_use(
+    initialised: str, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Refused before any process starts: nothing is forked.
+    monkeypatch.setattr(initialised, lambda: True)
+    with pytest.raises(RuntimeError, match=match):
+        launch(_rank_and_sum, 1.0, num_processes=2, start_method="fork")
+
+
 _INTERACTIVE = textwrap.dedent(
     """
     import torch

@@ -31,6 +31,7 @@ from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
 from funcaccel._rng_types import check_rng_types
 from funcaccel._typing import RngType
+from funcaccel._world import check_world
 from funcaccel.context import DistributedContext
 from funcaccel.loader._indices import BaseIndices
 from funcaccel.loader._reading import CountedStream
@@ -221,13 +222,7 @@ def _check_batching(
     batched: bool,
 ) -> None:
     p = ctx.num_processes
-    if split_batches and (batch_size is None or batch_size % p != 0):
-        msg = (
-            f"{_WHERE}: batch_size ({batch_size}) must be a multiple of num_processes "
-            f"({p}) when split_batches=True; use a batch size divisible by {p} or "
-            "split_batches=False."
-        )
-        raise ValueError(msg)
+    check_world(_WHERE, p, ctx.process_index, split_batches, batch_size)
     what = f"set (not None) to shard batches across {p} processes"
     if p > 1 and not dispatch and not batched:
         fail_value(_WHERE, "the DataLoader's batch_size", None, what, _FIX_UNBATCHED)

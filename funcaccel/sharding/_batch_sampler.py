@@ -28,7 +28,7 @@ from funcaccel._checks import check_bool
 from funcaccel._checks import check_int
 from funcaccel._checks import fail_type
 from funcaccel._checks import type_name
-from funcaccel.sharding._common import check_world
+from funcaccel._world import check_world
 from funcaccel.sharding._common import take_cyclic
 from funcaccel.sharding._iterable import ShardedIterableDataset
 from funcaccel.sharding._iterable import shard_iterable_dataset
