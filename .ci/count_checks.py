@@ -1,9 +1,9 @@
 """Count the package's hand-written argument checks.
 
-A check block is an ``if`` statement (no ``elif``/``else``) whose body only
-builds a message (assignments) and ends in ``raise``, or whose body is one call
-to ``_checks.fail_type`` / ``_checks.fail_value``.  Its lines run from the
-``if`` to the end of the body.  Calls to the one-line ``check_*`` helpers are
+A check block is an ``if`` (or ``elif``) branch whose body only builds a
+message (assignments) and ends in ``raise`` or in a call to a ``fail_*``
+helper (``_checks.fail_type`` / ``fail_value`` and the like).  Its lines run
+from the ``if`` to the end of that branch's body (an ``else`` is not counted).  Calls to the one-line ``check_*`` helpers are
 counted apart (one line each at the call site).
 
 Usage: python .ci/count_checks.py [package_dir]
@@ -17,8 +17,6 @@ import sys
 
 
 def _is_raise_block(node: ast.If) -> bool:
-    if node.orelse:
-        return False
     *head, last = node.body
     if not isinstance(last, ast.Raise):
         return False
@@ -26,9 +24,9 @@ def _is_raise_block(node: ast.If) -> bool:
 
 
 def _is_fail_call(node: ast.If) -> bool:
-    if node.orelse or len(node.body) != 1:
+    *head, stmt = node.body
+    if not all(isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)) for s in head):
         return False
-    stmt = node.body[0]
     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
         return False
     func = stmt.value.func
@@ -51,8 +49,9 @@ def main() -> None:
         tree = ast.parse(path.read_text())
         row = [0, 0, 0, 0, 0]
         for node in ast.walk(tree):
-            if isinstance(node, ast.If) and node.end_lineno is not None:
-                span = node.end_lineno - node.lineno + 1
+            if isinstance(node, ast.If):
+                end = node.body[-1].end_lineno or node.lineno
+                span = end - node.lineno + 1
                 if _is_raise_block(node):
                     row[0] += 1
                     row[1] += span
@@ -65,10 +64,10 @@ def main() -> None:
     total = [sum(r[i] for r in per_file.values()) for i in range(5)]
     for name, r in sorted(per_file.items(), key=lambda kv: -(kv[1][1] + kv[1][3])):
         if r[1] + r[3]:
-            print(f"{r[1] + r[3]:5d} lines  {r[0]:3d} raise  {r[2]:3d} fail_  {name}")
+            print(f"{r[1] + r[3]:5d} lines  {r[0]:3d} raise  {r[2]:3d} fail_*  {name}")
     print(
         f"raise blocks: {total[0]} / {total[1]} lines; "
-        f"fail_ one-liners: {total[2]} / {total[3]} lines; "
+        f"fail_* blocks: {total[2]} / {total[3]} lines; "
         f"check lines: {total[1] + total[3]}; check_* calls: {total[4]}"
     )
 
