@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.spawn import ProcessExitedException
 
 import funcaccel.checkpoint._layout
 from funcaccel.checkpoint import PendingCheckpoint
@@ -28,11 +27,11 @@ from funcaccel.checkpoint import save_checkpoint
 from funcaccel.checkpoint import save_checkpoint_async
 from funcaccel.checkpoint._async import DeferredCopy
 from funcaccel.context import DistributedContext
+from funcaccel.launch import LaunchError
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 ONE = DistributedContext()
 Tensors = dict[str, torch.Tensor]
@@ -363,8 +362,8 @@ def test_save_checkpoint_refuses_asynchronous_and_names_save_checkpoint_async(
 # --- a process killed while the background thread writes ---------------------------
 
 
-def _async_save_then_die(rank: int, world: int, tmp: Path, root: Path) -> None:
-    del rank, world, tmp  # one process, no group
+def _async_save_then_die(ctx: DistributedContext, root: Path) -> None:
+    del ctx  # one process: ONE (its group of one is not used)
     model, _ = _model()
     save_checkpoint(ONE, root, models=model, extra={"which": "first"})
 
@@ -385,8 +384,8 @@ def test_a_kill_during_an_async_write_leaves_the_previous_checkpoint_latest(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "run"
-    with pytest.raises(ProcessExitedException, match="SIGKILL"):
-        run_processes(_async_save_then_die, 1, tmp_path / "worker", root)
+    with pytest.raises(LaunchError, match="rank 0 of 1 was killed by signal 9"):
+        run_ranks(_async_save_then_die, 1, root, start_method="forkserver")
     latest = latest_checkpoint(root)
     assert latest is not None and latest.name == "checkpoint-000001"
     model, _ = _model(seed=3)
@@ -452,7 +451,7 @@ def test_two_ranks_save_asynchronously_and_wait_on_each(
     tmp_path: Path, fsdp: bool
 ) -> None:
     root = tmp_path / "run"
-    results = run_ranks(_ddp_async, 2, tmp_path / "ranks", root, fsdp)
+    results = run_ranks(_ddp_async, 2, root, fsdp, start_method="forkserver")
     for result in results:
         assert result["path"] == root / "checkpoint-000001"
         assert _same(result["loaded"], result["staged"])  # type: ignore[arg-type]

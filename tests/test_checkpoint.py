@@ -25,7 +25,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.spawn import ProcessExitedException
 
 import funcaccel.checkpoint._layout
 from funcaccel.accumulate import GradState
@@ -38,14 +37,14 @@ from funcaccel.checkpoint import load_checkpoint
 from funcaccel.checkpoint import read_checkpoint_meta
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.context import DistributedContext
+from funcaccel.launch import LaunchError
 from funcaccel.loader import LoaderState
 from funcaccel.model import FSDPOptions
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
 from funcaccel.rng import capture_rng_state
 from funcaccel.rng import restore_rng_state
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 ONE = DistributedContext()
@@ -519,8 +518,8 @@ def test_damaged_checkpoints_get_errors_naming_the_file(
 # --- a save killed with SIGKILL --------------------------------------------------
 
 
-def _save_then_die(rank: int, world: int, tmp: Path, root: Path, point: str) -> None:
-    del rank, world, tmp  # one process, no group
+def _save_then_die(ctx: DistributedContext, root: Path, point: str) -> None:
+    del ctx  # one process: ONE (its group of one is not used)
     save_checkpoint(ONE, root, models=_Net(), extra={"which": "first"})
     if point == "file":
         original = funcaccel.checkpoint._layout.write_torch_file
@@ -549,8 +548,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(
     tmp_path: Path, point: str
 ) -> None:
     root = tmp_path / "run"
-    with pytest.raises(ProcessExitedException, match="SIGKILL"):
-        run_processes(_save_then_die, 1, tmp_path / "worker", root, point)
+    with pytest.raises(LaunchError, match="rank 0 of 1 was killed by signal 9"):
+        run_ranks(_save_then_die, 1, root, point, start_method="forkserver")
     latest = latest_checkpoint(root)
     assert latest is not None and latest.name == "checkpoint-000001"
     loaded = load_checkpoint(ONE, latest, models=_Net())
@@ -780,7 +779,7 @@ def test_ddp_checkpoint_writes_the_model_once_and_each_rank_its_rng(
     tmp_path: Path, guard: float | None
 ) -> None:
     root = tmp_path / "run"
-    results = run_ranks(_ddp_worker, 2, tmp_path / "workers", root, guard)
+    results = run_ranks(_ddp_worker, 2, root, guard, start_method="forkserver")
     path = results[0]["path"]
     assert sorted(p.name for p in path.iterdir()) == [
         "manifest.json",
@@ -870,7 +869,9 @@ def test_fsdp_checkpoint_is_sharded_and_loads_on_2_3_and_1_processes(
     tmp_path: Path,
 ) -> None:
     whole = save_checkpoint(ONE, tmp_path / "whole", models=_Net(hidden=7))
-    saved = run_ranks(_fsdp_save, 2, tmp_path / "save", tmp_path / "run", whole)[0]
+    saved = run_ranks(
+        _fsdp_save, 2, tmp_path / "run", whole, start_method="forkserver"
+    )[0]
     path = saved["path"]
     assert (
         "holds whole (unsharded) state dicts, but models[0] is sharded"
@@ -886,7 +887,7 @@ def test_fsdp_checkpoint_is_sharded_and_loads_on_2_3_and_1_processes(
     assert not (path / "model_0.pt").exists()
     for world in (2, 3):
         for rank, result in enumerate(
-            run_ranks(_fsdp_load, world, tmp_path / f"w{world}", path)
+            run_ranks(_fsdp_load, world, path, start_method="forkserver")
         ):
             assert _same_state(result["params"], saved["params"]), (world, rank)
             assert _same_state(result["optim"], saved["optim"]), (world, rank)
