@@ -32,9 +32,6 @@ from funcaccel.collectives._process_sync import wait_for_everyone
 __all__ = [
     "all_processes",
     "any_process",
-    "padded_count",
-    "split_between_processes",
-    "wait_for_everyone",
     "BatchInfo",
     "broadcast",
     "broadcast_",
@@ -44,6 +41,9 @@ __all__ = [
     "gather_object",
     "pad_across_processes",
     "pad_tensor",
+    "padded_count",
     "reduce",
     "Reduction",
+    "split_between_processes",
+    "wait_for_everyone",
 ]

@@ -37,6 +37,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.loader._placement import send_to_device
 from funcaccel.loader._setup import Setup
 from funcaccel.loader._setup import build_setup
+from funcaccel.loader._setup import plan_setup
 from funcaccel.loader._state import START
 from funcaccel.loader._state import Batch
 from funcaccel.loader._state import LoaderState
@@ -229,7 +230,7 @@ def shard_loader(
         TypeError: an argument of the wrong type.
         ValueError: a value or combination docs/loader.md#errors lists.
     """
-    setup = build_setup(
+    plan = plan_setup(
         ctx,
         dataloader,
         split_batches=split_batches,
@@ -242,7 +243,7 @@ def shard_loader(
         slice_fn=slice_fn,
         mesh=mesh,
     )
-    return ShardedLoader(setup)
+    return ShardedLoader(build_setup(ctx, dataloader, plan))
 
 
 def _skip(loader: ShardedLoader, state: LoaderState) -> int:

@@ -2,10 +2,11 @@
 
 The seven steps: docs/loader.md#semantics-building-a-sharded-loader.
 
-``build_setup`` checks the arguments, reads what it needs from the caller's
-``DataLoader`` (never changing it) and builds the inner ``DataLoader`` this rank
-iterates: the original's dataset and worker/collation settings (step 6) around an
-``IndexSlot`` (map-style data) or a sharded stream (iterable data).
+Two halves, which ``shard_loader`` composes: ``plan_setup`` checks the arguments
+and reads what it needs from the caller's ``DataLoader`` (never changing it) into a
+``LoaderPlan``; ``build_setup`` builds from that plan the inner ``DataLoader`` this
+rank iterates: the original's dataset and worker/collation settings (step 6) around
+an ``IndexSlot`` (map-style data) or a sharded stream (iterable data).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from funcaccel.mesh import check_mesh
 from funcaccel.sharding import shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset
 
-__all__ = ["Setup", "build_setup", "kept_settings"]
+__all__ = ["LoaderPlan", "Setup", "build_setup", "kept_settings", "plan_setup"]
 
 SliceFn = Callable[[Any, slice], Any]
 _WHERE: Final = "shard_loader"
@@ -229,7 +230,7 @@ def _check_batching(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Plan:
+class LoaderPlan:
     """What ``shard_loader``'s checked arguments decide, before anything is built."""
 
     view: DistributedContext
@@ -247,7 +248,7 @@ class _Plan:
     total_batch_size: int | None  # G
 
 
-def _plan(
+def plan_setup(
     ctx: DistributedContext,
     dataloader: DataLoader[Any],
     *,
@@ -260,8 +261,13 @@ def _plan(
     non_blocking: bool,
     slice_fn: SliceFn | None,
     mesh: ParallelMesh | None,
-) -> _Plan:
-    """Check the arguments (the first half of ``build_setup``) and decide who reads."""
+) -> LoaderPlan:
+    """Check ``shard_loader``'s arguments and decide who reads how much (first half).
+
+    The rules: docs/loader.md#semantics-building-a-sharded-loader. With a ``mesh``
+    the sharding arithmetic runs on its data-parallel view of ``ctx``
+    (``mesh.dp_size`` ranks), so a tensor-parallel group reads the same batches.
+    """
     flags = {
         "split_batches": split_batches,
         "put_on_device": put_on_device,
@@ -288,7 +294,7 @@ def _plan(
         dispatch=dispatch,
         batched=_batches_of(dataloader) is not None,
     )
-    return _Plan(
+    return LoaderPlan(
         view=view,
         split_batches=split_batches,
         put_on_device=put_on_device,
@@ -307,7 +313,12 @@ def _plan(
 
 
 def _iterable_inner(
-    dataset: Any, plan: _Plan, kept: dict[str, Any], *, drop_last: bool, split: bool
+    dataset: Any,
+    plan: LoaderPlan,
+    kept: dict[str, Any],
+    *,
+    drop_last: bool,
+    split: bool,
 ) -> tuple[DataLoader[Any] | None, bool]:
     """Return the inner loader over iterable data and whether it counts samples."""
     bs, total = plan.batch_size, plan.total_batch_size
@@ -338,7 +349,7 @@ def _iterable_inner(
 def _map_inner(
     dataloader: DataLoader[Any],
     base: BaseIndices,
-    plan: _Plan,
+    plan: LoaderPlan,
     kept: dict[str, Any],
     *,
     split: bool,
@@ -363,8 +374,13 @@ def _map_inner(
     return DataLoader(dataset, batch_size=None, sampler=slot, **kept)
 
 
-def _build(ctx: DistributedContext, dataloader: DataLoader[Any], plan: _Plan) -> Setup:
-    """Build the inner loader and the ``Setup`` (the second half of ``build_setup``)."""
+def build_setup(
+    ctx: DistributedContext, dataloader: DataLoader[Any], plan: LoaderPlan
+) -> Setup:
+    """Build the inner loader and the ``Setup`` that ``plan`` decided (second half).
+
+    ``shard_loader`` composes the halves: ``build_setup(ctx, dl, plan_setup(...))``.
+    """
     kept = kept_settings(dataloader)
     # The inner loader draws its worker base seed from a generator of its own, not
     # from the global RNG (nor from the caller's generator, which stays unconsumed):
@@ -405,44 +421,6 @@ def _build(ctx: DistributedContext, dataloader: DataLoader[Any], plan: _Plan) ->
         worker_generator=worker_generator,
         epoch_targets=_epoch_targets(dataloader, base),
     )
-
-
-def build_setup(
-    ctx: DistributedContext,
-    dataloader: DataLoader[Any],
-    *,
-    split_batches: bool,
-    put_on_device: bool,
-    rng_types: Sequence[RngType] | None,
-    dispatch_batches: bool | None,
-    even_batches: bool,
-    seed: int,
-    non_blocking: bool,
-    slice_fn: SliceFn | None,
-    mesh: ParallelMesh | None = None,
-) -> Setup:
-    """Check ``shard_loader``'s arguments and decide how this rank loads.
-
-    The rules: docs/loader.md#semantics-building-a-sharded-loader. With a ``mesh``
-    the sharding arithmetic runs on its data-parallel view of ``ctx``
-    (``mesh.dp_size`` ranks), so a tensor-parallel group reads the same batches.
-    Two halves: ``_plan`` checks the arguments and decides who reads how much;
-    ``_build`` builds the inner loader from that plan.
-    """
-    plan = _plan(
-        ctx,
-        dataloader,
-        split_batches=split_batches,
-        put_on_device=put_on_device,
-        rng_types=rng_types,
-        dispatch_batches=dispatch_batches,
-        even_batches=even_batches,
-        seed=seed,
-        non_blocking=non_blocking,
-        slice_fn=slice_fn,
-        mesh=mesh,
-    )
-    return _build(ctx, dataloader, plan)
 
 
 def _reseeded_generator(dataset: object) -> torch.Generator | None:
