@@ -10,6 +10,7 @@ without is checked by the guarded runs in ``test_collectives.py`` and
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import Counter
@@ -35,9 +36,9 @@ from funcaccel.collectives import reduce
 from funcaccel.collectives import wait_for_everyone
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
+from funcaccel.launch import launch
 from funcaccel.testing import rank_ctx
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 
 BOUND_S: Final = 2.0
 # Above the bound: the file store the tests rendezvous through polls once a second,
@@ -91,7 +92,7 @@ def _rank_zero_only(ctx: DistributedContext, run: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def rank_zero_only(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("rank0")
-    return run_ranks(_rank_zero_only, 2, tmp / "workers", tmp)
+    return run_ranks(_rank_zero_only, 2, tmp, start_method="forkserver")
 
 
 @pytest.mark.distributed
@@ -153,7 +154,7 @@ def _mismatch_then_missing(ctx: DistributedContext, run: Path) -> dict[str, Any]
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("three")
-    return run_ranks(_mismatch_then_missing, 3, tmp / "workers", tmp)
+    return run_ranks(_mismatch_then_missing, 3, tmp, start_method="forkserver")
 
 
 @pytest.mark.distributed
@@ -330,8 +331,9 @@ GROUP_TIMEOUT_S: Final = 3.0
 _DEFAULT_CALLS: Final = ("save_checkpoint", "gather", "wait_for_everyone")
 
 
-def _alone_with_defaults(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+def _alone_with_defaults(tmp_path: Path) -> dict[str, Any]:
     """Rank 0 calls three collectives alone; no bound is set but the group's."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     start_process_group(
         "gloo",
         init_method=f"file://{tmp_path}/rendezvous",
@@ -366,7 +368,14 @@ def test_by_default_a_call_on_rank_zero_only_fails_within_the_groups_timeout(
 ) -> None:
     # No collective_timeout: the bound is the group's own timeout (here 3 s),
     # and the error names the call and every rank that did not arrive.
-    alone = run_processes(_alone_with_defaults, world_size, tmp_path)[0]
+    alone = launch(
+        _alone_with_defaults,
+        tmp_path,
+        num_processes=world_size,
+        backend=None,  # each rank starts a group with a 3 s timeout itself
+        start_method="forkserver",
+        timeout_s=120,
+    )[0]
     others = ", ".join(str(r) for r in range(1, world_size))
     ranks = "rank" if world_size == 2 else "ranks"
     for call in _DEFAULT_CALLS:

@@ -34,8 +34,8 @@ from funcaccel.context import effective_backend
 from funcaccel.context import effective_timeout
 from funcaccel.context import require_process_group
 from funcaccel.kwargs import InitProcessGroupKwargs
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.launch import launch
+from funcaccel.testing import run_ranks
 from tests.fixtures import rank_ctx
 
 
@@ -392,7 +392,8 @@ def test_require_process_group_refuses_a_missing_group() -> None:
     require_process_group(DistributedContext(), "my_function")
 
 
-def _build_for_real(rank: int, world_size: int, tmp_path: Path) -> dict[str, object]:
+def _build_for_real(tmp_path: Path) -> dict[str, object]:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     environ = {
         "WORLD_SIZE": str(world_size),
         "RANK": str(rank),
@@ -431,7 +432,14 @@ def _build_for_real(rank: int, world_size: int, tmp_path: Path) -> dict[str, obj
 
 @pytest.mark.distributed
 def test_build_context_starts_and_closes_a_real_group(tmp_path: Path) -> None:
-    results = run_processes(_build_for_real, 2, tmp_path)
+    results = launch(
+        _build_for_real,
+        tmp_path,
+        num_processes=2,
+        backend=None,  # build_context starts the group
+        start_method="forkserver",
+        timeout_s=120,
+    )
     for rank, result in enumerate(results):
         ctx = result["ctx"]
         assert isinstance(ctx, DistributedContext)
@@ -455,7 +463,8 @@ def _free_port() -> int:
         return port
 
 
-def _build_from_mapping(rank: int, world_size: int, tmp_path: Path, port: int) -> float:
+def _build_from_mapping(port: int) -> float:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     environ = {
         "WORLD_SIZE": str(world_size),
         "RANK": str(rank),
@@ -463,7 +472,6 @@ def _build_from_mapping(rank: int, world_size: int, tmp_path: Path, port: int) -
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
-    del tmp_path  # the rendezvous is the TCP address in the mapping
     ctx = build_context(environ=environ, cpu=True)
     try:
         value = torch.tensor([float(rank)])
@@ -474,8 +482,16 @@ def _build_from_mapping(rank: int, world_size: int, tmp_path: Path, port: int) -
 
 
 @pytest.mark.distributed
-def test_build_context_rendezvous_at_the_address_in_the_mapping(tmp_path: Path) -> None:
-    assert run_processes(_build_from_mapping, 2, tmp_path, _free_port()) == [1.0, 1.0]
+def test_build_context_rendezvous_at_the_address_in_the_mapping() -> None:
+    results = launch(
+        _build_from_mapping,
+        _free_port(),
+        num_processes=2,
+        backend=None,  # build_context starts the group, at the TCP address
+        start_method="forkserver",
+        timeout_s=120,
+    )
+    assert results == [1.0, 1.0]
 
 
 def _context_of_worker(ctx: DistributedContext) -> tuple[int, int, bool, bool]:
@@ -489,8 +505,8 @@ def _context_of_worker(ctx: DistributedContext) -> tuple[int, int, bool, bool]:
 
 
 @pytest.mark.distributed
-def test_contexts_under_three_real_processes(tmp_path: Path) -> None:
-    assert run_ranks(_context_of_worker, 3, tmp_path) == [
+def test_contexts_under_three_real_processes() -> None:
+    assert run_ranks(_context_of_worker, 3, start_method="forkserver") == [
         (0, 3, True, False),
         (1, 3, False, False),
         (2, 3, False, True),
