@@ -64,6 +64,7 @@ from funcaccel.context import build_context
 from funcaccel.context import close_context
 from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.kwargs import ProfileKwargs
+from funcaccel.launch import launch
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from funcaccel.mixed_precision import autocast_ctx
@@ -76,8 +77,7 @@ from funcaccel.profiler import build_profiler
 from funcaccel.rng import capture_rng_state
 from funcaccel.rng import restore_rng_state
 from funcaccel.seeding import set_seed
-from tests._dist import run_processes
-from tests._dist import run_ranks
+from funcaccel.testing import run_ranks
 from tests.fixtures import Indexed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -364,19 +364,20 @@ def test_find_executable_batch_size_empties_the_cuda_cache_before_a_retry() -> N
 # --- NCCL: a group of one process ----------------------------------------------
 
 
-def _nccl_group(rank: int, world_size: int, tmp_path: Path) -> None:
+def _nccl_group(tmp_path: Path) -> None:
+    """Start this rank's NCCL group (``launch`` with ``backend=None`` started none)."""
     torch.cuda.set_device(CUDA0)
     dist.init_process_group(
         "nccl",
         init_method=f"file://{tmp_path}/rendezvous",
-        rank=rank,
-        world_size=world_size,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         device_id=CUDA0,
     )
 
 
-def _nccl_of_one(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
-    _nccl_group(rank, world_size, tmp_path)
+def _nccl_of_one(tmp_path: Path) -> dict[str, Any]:
+    _nccl_group(tmp_path)
     try:
         ctx = build_context(environ={"WORLD_SIZE": "1"}, mixed_precision="bf16")
         x = torch.arange(4.0, device=CUDA0)
@@ -399,7 +400,14 @@ def _nccl_of_one(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_build_context_on_a_gpu_with_a_one_process_nccl_group(tmp_path: Path) -> None:
-    [got] = run_processes(_nccl_of_one, 1, tmp_path)
+    [got] = launch(
+        _nccl_of_one,
+        tmp_path,
+        num_processes=1,
+        backend=None,  # the worker starts its NCCL group of one
+        start_method="forkserver",
+        timeout_s=120,
+    )
     assert got == {
         "backend": "nccl",
         "ctx": ("cuda:0", "NO", None),  # one process: NO, never MULTI_GPU
@@ -528,26 +536,22 @@ def _check_token_windows(ranks: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.distributed
-def test_ddp_on_the_gpu_token_weighted_windows_equal_plain_pytorch(
-    tmp_path: Path,
-) -> None:
-    ranks = run_ranks(_token_windows, 2, tmp_path, "ddp")
+def test_ddp_on_the_gpu_token_weighted_windows_equal_plain_pytorch() -> None:
+    ranks = run_ranks(_token_windows, 2, "ddp", start_method="forkserver")
     _check_token_windows(ranks)
     assert [(r["ddp"], r["ddp_device_ids"]) for r in ranks] == [(True, [0])] * 2
 
 
 @pytest.mark.distributed
-def test_fsdp2_on_the_gpu_token_weighted_windows_equal_plain_pytorch(
-    tmp_path: Path,
-) -> None:
-    ranks = run_ranks(_token_windows, 2, tmp_path, "fsdp")
+def test_fsdp2_on_the_gpu_token_weighted_windows_equal_plain_pytorch() -> None:
+    ranks = run_ranks(_token_windows, 2, "fsdp", start_method="forkserver")
     _check_token_windows(ranks)
     assert [(r["ddp"], r["fsdp"]) for r in ranks] == [(False, True)] * 2
     # nn.Linear(3, 4).weight: 4 rows, 2 per rank.
     assert [r["first_local_shape"] for r in ranks] == [(2, 3), (2, 3)]
 
 
-def _zero2_windows(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+def _zero2_windows(tmp_path: Path) -> dict[str, Any]:
     try:
         importlib.import_module("deepspeed")
     except Exception as error:  # any failure to load it is the skip's reason
@@ -556,7 +560,7 @@ def _zero2_windows(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]
         }
     os.environ["LOCAL_RANK"] = "0"  # this worker's own environment; DeepSpeed reads it
     warnings.simplefilter("ignore")  # DeepSpeed's deprecation and log noise
-    _nccl_group(rank, world_size, tmp_path)
+    _nccl_group(tmp_path)
     try:
         ctx = DistributedContext(device=CUDA0)
         net = _token_net().float().to(CUDA0)
@@ -590,7 +594,14 @@ def _zero2_windows(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]
 def test_deepspeed_zero2_on_the_gpu_token_windows_equal_plain_pytorch(
     tmp_path: Path,
 ) -> None:
-    [got] = run_processes(_zero2_windows, 1, tmp_path)
+    [got] = launch(
+        _zero2_windows,
+        tmp_path,
+        num_processes=1,
+        backend=None,  # the worker starts its NCCL group of one
+        start_method="forkserver",
+        timeout_s=120,
+    )
     if "skip" in got:
         pytest.skip(got["skip"])
     assert got["steps"] == 2
@@ -637,7 +648,7 @@ def test_gather_for_metrics_guard_and_barrier_with_cuda_tensors(
 ) -> None:
     # 10 samples, batch 3: rank 0 reads [0, 1, 2], [6, 7, 8] and rank 1 [3, 4, 5],
     # [9, 0, 1]; the last global batch has 4 real samples (remainder=4).
-    ranks = run_ranks(_collectives, 2, tmp_path / "workers", tmp_path)
+    ranks = run_ranks(_collectives, 2, tmp_path, start_method="forkserver")
     for rank, got in enumerate(ranks):
         assert got["index"] == list(range(10))
         assert torch.equal(got["square"], torch.arange(10, dtype=F64) ** 2)
