@@ -140,12 +140,12 @@ def test_two_contexts_in_one_process_never_affect_each_other() -> None:
             ValueError,
             r"DistributedContext: process_index \(4\) must be in \[0, num_processes=4\)",
         ),
-        ({"num_processes": 0}, ValueError, r"num_processes must be >= 1; got 0"),
+        ({"num_processes": 0}, ValueError, r"num_processes \(0\) must be >= 1"),
         ({"process_index": -1}, ValueError, r"process_index \(-1\) must be in"),
         (
             {"local_process_index": -2},
             ValueError,
-            r"local_process_index must be >= 0; got -2",
+            r"local_process_index \(-2\) must be >= 0",
         ),
         ({"num_processes": 2.0}, TypeError, r"num_processes must be an int; got 2\.0"),
         ({"process_index": True}, TypeError, r"process_index must be an int; got True"),
@@ -317,7 +317,7 @@ def test_context_from_env_honours_a_user_backend() -> None:
         ),
         (
             {"WORLD_SIZE": "0", "RANK": "0", "LOCAL_RANK": "0"},
-            r"num_processes must be >= 1",
+            r"num_processes \(0\) must be >= 1",
         ),
     ],
 )
@@ -377,7 +377,9 @@ def test_build_context_reads_the_rendezvous_address_from_the_given_mapping(
     monkeypatch.setenv("MASTER_PORT", "29500")
     environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h"}
     with pytest.raises(
-        ValueError, match=r"build_context: the default rendezvous needs MASTER_PORT"
+        ValueError,
+        match=r"build_context: the default rendezvous's MASTER_PORT must be set in "
+        r"the environment; got None\. Launch with torchrun",
     ):
         build_context(environ=environ, cpu=True)
     assert not dist.is_initialized()

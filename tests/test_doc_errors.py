@@ -526,9 +526,9 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "or 'no'.": _old_gpu,
     "ValueError: context_from_env: mixed_precision must be a mode cpu runs with "
     "torch ...; got 'fp16'. CPU float16 autocast fails here (...); ...": _no_cpu_fp16,
-    "ValueError: build_context: the default rendezvous needs MASTER_ADDR and "
-    "MASTER_PORT in the environment; launch with torchrun or pass "
-    "InitProcessGroupKwargs(init_method=...).": lambda _: fa.build_context(
+    "ValueError: build_context: the default rendezvous's MASTER_ADDR and "
+    "MASTER_PORT must be set in the environment; got None. Launch with torchrun or "
+    "pass InitProcessGroupKwargs(init_method=...).": lambda _: fa.build_context(
         cpu=True, environ=_TWO_RANKS
     ),
     "RuntimeError: build_context: the default process group has world_size=..., "

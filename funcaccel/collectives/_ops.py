@@ -264,9 +264,8 @@ def reduce(ctx: DistributedContext, data: T, *, reduction: Reduction = "sum") ->
     # Checked after the exchange: dtypes now agree, so every rank raises alike.
     for path, tensor in zip(paths, leaves, strict=True):
         floating = tensor.is_floating_point() or tensor.is_complex()
-        if (reduction == "mean" and not floating) or (
-            reduction == "max" and tensor.is_complex()
-        ):
+        undefined = reduction == "max" and tensor.is_complex()
+        if undefined or (reduction == "mean" and not floating):
             msg = f"reduce: reduction={reduction!r} is undefined for {path} of dtype {tensor.dtype}; cast it to a floating dtype or use 'sum'."
             raise TypeError(msg)
     out = [t.detach().clone(memory_format=torch.contiguous_format) for t in leaves]

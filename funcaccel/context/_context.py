@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from funcaccel._checks import check_index
+from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
 from funcaccel._group import end_process_group
@@ -102,14 +103,10 @@ class DistributedContext:
 
     def __post_init__(self) -> None:
         owner = "DistributedContext"
-        for name in ("num_processes", "process_index", "local_process_index"):
-            check_type(owner, name, getattr(self, name), int)
-        if self.num_processes < 1:
-            fail_value(owner, "num_processes", self.num_processes, ">= 1")
-        p = self.num_processes
-        check_index(owner, "process_index", self.process_index, "num_processes", p)
-        if self.local_process_index < 0:
-            fail_value(owner, "local_process_index", self.local_process_index, ">= 0")
+        p = check_int(owner, "num_processes", self.num_processes, 1)
+        rank = check_type(owner, "process_index", self.process_index, int)
+        check_index(owner, "process_index", rank, "num_processes", p)
+        check_int(owner, "local_process_index", self.local_process_index, 0)
         hint = "Use e.g. torch.device('cpu')."
         check_type(
             owner, "device", self.device, torch.device, what="a torch.device", hint=hint

@@ -44,6 +44,9 @@ __all__ = [
 CollectiveTimeout: TypeAlias = timedelta | float | Literal["off"] | None
 
 _FROM_ENV: Final = "context_from_env"
+_FIX_RDZV: Final = (
+    "Launch with torchrun or pass InitProcessGroupKwargs(init_method=...)."
+)
 
 
 def check_collective_timeout(caller: str, value: object) -> timedelta | str | None:
@@ -131,13 +134,9 @@ def rendezvous_init_method(
     if kwargs.init_method is not None:
         return kwargs.init_method
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    name = "the default rendezvous's " + " and ".join(missing)
     if missing:
-        msg = (
-            f"build_context: the default rendezvous needs {' and '.join(missing)} in "
-            "the environment; launch with torchrun or pass "
-            "InitProcessGroupKwargs(init_method=...)."
-        )
-        raise ValueError(msg)
+        fail_value("build_context", name, None, "set in the environment", _FIX_RDZV)
     if environ is os.environ:
         return "env://"
     return f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
