@@ -31,23 +31,23 @@ from funcaccel.grad_state import GradState
 __all__ = ["DeepSpeedOptions", "merged_config"]
 
 _STAGES: Final = (1, 2, 3)
-_FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {
-    "zero_stage": (int,),
-    "micro_batch_size": (int,),
-    "offload_optimizer": (bool,),
-    "offload_param": (bool,),
-    "gradient_clipping": (int, float),
-}
+_FIELD_TYPES: Final[tuple[tuple[str, tuple[type, ...]], ...]] = (
+    ("zero_stage", (int,)),
+    ("micro_batch_size", (int,)),
+    ("offload_optimizer", (bool,)),
+    ("offload_param", (bool,)),
+    ("gradient_clipping", (int, float)),
+)
 _NO_CLIP: Final = "Use None for no clipping."
 _POSITIVE: Final = "a finite number > 0"
 _OFFLOADS: Final = "3 with offload_param"
-_CONFIG_KEYS: Final = {  # field -> the config key it sets
-    "zero_stage": "zero_optimization.stage",
-    "offload_optimizer": "zero_optimization.offload_optimizer",
-    "offload_param": "zero_optimization.offload_param",
-    "gradient_clipping": "gradient_clipping",
-    "micro_batch_size": "train_micro_batch_size_per_gpu",
-}
+_CONFIG_KEYS: Final = (  # field, the config key it sets
+    ("zero_stage", "zero_optimization.stage"),
+    ("offload_optimizer", "zero_optimization.offload_optimizer"),
+    ("offload_param", "zero_optimization.offload_param"),
+    ("gradient_clipping", "gradient_clipping"),
+    ("micro_batch_size", "train_micro_batch_size_per_gpu"),
+)
 _NO_ZERO: Final = (
     "For replicated training without ZeRO use wrap_model's DDP path (no deepspeed=)."
 )
@@ -127,7 +127,7 @@ class DeepSpeedOptions:
         owner = "DeepSpeedOptions"
         read = {} if self.config is None else _read_config(self.config)
         object.__setattr__(self, "config", read)
-        for name, kind in _FIELD_TYPES.items():
+        for name, kind in _FIELD_TYPES:
             check_type(owner, name, getattr(self, name), kind, optional=True)
         clip, micro = self.gradient_clipping, self.micro_batch_size
         if clip is not None and not (math.isfinite(clip) and clip > 0):
@@ -137,7 +137,7 @@ class DeepSpeedOptions:
         zero = read.get("zero_optimization", {})
         if not isinstance(zero, dict):
             fail_value(owner, "config['zero_optimization']", zero, "an object")
-        for field, key in _CONFIG_KEYS.items():
+        for field, key in _CONFIG_KEYS:
             _agree(owner, field, getattr(self, field), key, _configured(read, key))
         check_choice(owner, "the ZeRO stage", self.stage, _STAGES, hint=_NO_ZERO)
         if self._offload("offload_param") and self.stage != 3:
