@@ -32,10 +32,16 @@ from funcaccel.launch import launch
 from funcaccel.testing import run_ranks
 
 
-def _all_reduce_rank(ctx: DistributedContext, scale: int) -> tuple[int, float, int]:
+def _all_reduce_rank(
+    ctx: DistributedContext, scale: int
+) -> tuple[int, float, int, bool | None]:
+    """Return the rank, the all-reduced value, the parent process and whether the
+    parent (the fork server) has torch's library loaded (None without /proc)."""
     value = torch.tensor([float(ctx.process_index * scale)])
     dist.all_reduce(value)
-    return ctx.process_index, float(value.item()), os.getppid()
+    maps = Path(f"/proc/{os.getppid()}/maps")
+    preloaded = "libtorch_cpu" in maps.read_text() if maps.exists() else None
+    return ctx.process_index, float(value.item()), os.getppid(), preloaded
 
 
 def _fail_on_rank_one(ctx: DistributedContext) -> None:
@@ -65,12 +71,15 @@ def _killed(ctx: DistributedContext) -> None:
 def test_forkserver_ranks_return_their_results_by_rank(world_size: int) -> None:
     results = run_ranks(_all_reduce_rank, world_size, 10, start_method="forkserver")
     total = float(sum(10 * r for r in range(world_size)))
-    assert [(rank, value) for rank, value, _ in results] == [
+    assert [(rank, value) for rank, value, _, _ in results] == [
         (r, total) for r in range(world_size)
     ]
-    # Forked by the fork server, not by this process.
-    parents = {parent for _, _, parent in results}
+    # Forked by the fork server, not by this process, which had imported torch
+    # before forking them (launch's preload), so no rank imported it again.
+    parents = {parent for _, _, parent, _ in results}
     assert len(parents) == 1 and os.getpid() not in parents
+    if Path("/proc/self/maps").exists():
+        assert all(preloaded for _, _, _, preloaded in results)
 
 
 @pytest.mark.distributed
