@@ -18,6 +18,9 @@ instead from the ``GradState``:
   update's gradient, and the norm used for clipping, by exactly ``k / m``; the
   scale is put back (with whatever change DeepSpeed's dynamic scaler made) after.
   A token-weighted window (``num_items``) uses the same seam with ``N / p``.
+- with ``max_grad_norm`` the new state's ``grad_norm`` is the engine's
+  ``get_global_grad_norm()`` after the step: ZeRO's norm over all ranks' partitions,
+  divided by the loss scale, so the norm of the gradient the update used.
 """
 
 from __future__ import annotations
@@ -162,4 +165,16 @@ def deepspeed_step(
     with _scaled_step(engine.optimizer, factor, max_grad_norm):
         engine.step()
     skipped = bool(getattr(engine.optimizer, "overflow", False))
-    return shown, next_grad_state(grad, True, end_of_dataloader, skipped)
+    norm = None if max_grad_norm is None else _engine_norm(engine)
+    return shown, next_grad_state(grad, True, end_of_dataloader, skipped, None, norm)
+
+
+def _engine_norm(engine: Any) -> torch.Tensor | None:
+    """Return the norm the engine's last step measured, as a 0-dim tensor."""
+    value = engine.get_global_grad_norm()
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(())
+    # A Python float is a double: kept exact.
+    return torch.tensor(float(value), dtype=torch.float64)

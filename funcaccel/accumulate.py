@@ -261,7 +261,9 @@ def accumulate_step(
 
     Returns:
         ``(loss.detach(), new_grad)``: the undivided loss (token-weighted: per item)
-        and the next state (``step_was_skipped`` when the scaler skipped a step).
+        and the next state (``step_was_skipped`` when the scaler skipped a step;
+        ``grad_norm``, with ``max_grad_norm``, the pre-clip global norm of a
+        closing micro-step, over the models' parameters in their order).
 
     Raises:
         TypeError, ValueError: a wrong argument or loss, named with its fix.
@@ -331,8 +333,13 @@ def _mean_step(step: _Step) -> tuple[torch.Tensor, GradState]:
         require_process_group(ctx, _CALLER)
     synced = is_window_end(grad, step.end_of_dataloader)
     loss = _micro_batch(step, synced, grad.accumulation_steps)
-    skipped = synced and _close_window(step, closing_factor(grad))
-    return loss.detach(), next_grad_state(grad, synced, step.end_of_dataloader, skipped)
+    if not synced:
+        return loss.detach(), next_grad_state(
+            grad, False, step.end_of_dataloader, False
+        )
+    skipped, norm = _close_window(step, closing_factor(grad))
+    end = step.end_of_dataloader
+    return loss.detach(), next_grad_state(grad, True, end, skipped, None, norm)
 
 
 def _token_weighted_step(
@@ -363,8 +370,8 @@ def _token_weighted_step(
     # (DDP all-reduces the mean; FSDP2 reduce-scatters the mean of each shard;
     # one process holds the sum itself, p = 1), so p / total gives the sum over
     # ranks divided by the window's item count.
-    skipped = _close_window(step, p / total)
-    return shown, next_grad_state(grad, True, end, skipped)
+    skipped, norm = _close_window(step, p / total)
+    return shown, next_grad_state(grad, True, end, skipped, None, norm)
 
 
 def _micro_batch(step: _Step, synced: bool, k: int) -> torch.Tensor:
@@ -378,10 +385,12 @@ def _micro_batch(step: _Step, synced: bool, k: int) -> torch.Tensor:
     return _forward_backward(*args)
 
 
-def _close_window(step: _Step, factor: float) -> bool:
-    """Scale the gradients by ``factor``, clip, step, zero; return whether skipped.
+def _close_window(step: _Step, factor: float) -> tuple[bool, torch.Tensor | None]:
+    """Scale the gradients by ``factor``, clip, step, zero.
 
-    Changes the gradients, the optimizers and the scaler in place.
+    Changes the gradients, the optimizers and the scaler in place. Returns
+    whether the step was skipped and the pre-clip norm (``None`` without
+    ``max_grad_norm``).
     """
     optimizers, scaler = step.optimizers, step.scaler
     if step.ctx.num_processes > 1:
@@ -390,17 +399,47 @@ def _close_window(step: _Step, factor: float) -> bool:
         check_optimizers_hold(_CALLER, step.models, optimizers)
     if factor != 1.0:
         rescale_grads_(optimizers, factor)
+    norm = None
     if step.max_grad_norm is not None:
-        clip_grad_norm_(
-            optimizer_parameters(optimizers),
+        norm = clip_grad_norm_(
+            _clip_order(step.models, optimizers),
             step.max_grad_norm,
             scaler=scaler,
             optimizer=optimizers,
-        )
+        ).detach()
     skipped = optimizer_step(optimizers, scaler=scaler)
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return skipped
+    return skipped, norm
+
+
+def _clip_order(
+    models: tuple[nn.Module, ...], optimizers: tuple[torch.optim.Optimizer, ...]
+) -> list[torch.Tensor]:
+    """Return the optimizers' parameters in the models' parameter order.
+
+    The total norm sums the per-parameter norms in list order, so the order
+    decides its last bits: taken in ``model.parameters()`` order it equals, bit
+    for bit, what ``torch.nn.utils.clip_grad_norm_(model.parameters())`` returns
+    when the optimizers hold the model's parameters. Parameters no model holds
+    follow, in param-group order; a model's parameters no optimizer holds are
+    left out (they are not stepped).
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD([model.bias, model.weight], lr=0.1)
+    >>> [tuple(p.shape) for p in _clip_order((model,), (opt,))]
+    [(1, 2), (1,)]
+    """
+    owned = {id(param): param for param in optimizer_parameters(optimizers)}
+    ordered: dict[int, torch.Tensor] = {}
+    for model in models:
+        for param in model.parameters():
+            if id(param) in owned:
+                ordered.setdefault(id(param), param)
+    if len(ordered) < len(owned):
+        for key, tensor in owned.items():
+            ordered.setdefault(key, tensor)
+    return list(ordered.values())
 
 
 def _require_averaged_grads(

@@ -70,6 +70,13 @@ class GradState:
             when it is token-weighted (``accumulate_step(..., num_items=n)``);
             ``None`` when no window is open or it averages mean losses. Only an
             open window (``micro_step > 0``) has a count.
+        grad_norm: the total gradient norm the last micro-step's step measured
+            before clipping (``accumulate_step(..., max_grad_norm=...)``), the
+            0-dim tensor ``torch.nn.utils.clip_grad_norm_`` returns (the global
+            norm under DDP, FSDP2, a mesh or DeepSpeed, the same on every rank);
+            ``None`` when that micro-step did not close its window or did not
+            clip. An observation of one step, not loop state: left out of
+            ``to_dict()``, equality and hashing.
 
     Raises:
         TypeError: a field of the wrong type.
@@ -90,6 +97,7 @@ class GradState:
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
     window_items: int | None = None
+    grad_norm: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # A state is built on every micro-step: one expression on the hot path; the
@@ -120,16 +128,31 @@ class GradState:
                     and micro_step > 0
                 )
             )
+            and (
+                self.grad_norm is None
+                or (
+                    isinstance(self.grad_norm, torch.Tensor)
+                    and self.grad_norm.dim() == 0
+                    and micro_step == 0
+                )
+            )
         ):
             _raise_invalid(self)
 
     def to_dict(self) -> dict[str, int | bool | None]:
         """Return the fields as a new plain, JSON-serialisable dict.
 
+        ``grad_norm`` (a tensor observed at one step) is left out: a resumed loop
+        does not need it, and the saved format stays the one older releases wrote.
+
         >>> GradState(accumulation_steps=2).to_dict()["accumulation_steps"]
         2
         """
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "grad_norm"
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> GradState:
@@ -147,7 +170,7 @@ class GradState:
         True
         """
         check_type("GradState.from_dict", "data", data, Mapping, what="a mapping")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"grad_norm"}
         missing = sorted(names - set(data) - {"window_items"})
         unknown = sorted(str(key) for key in set(data) - names)
         if missing or unknown:
@@ -165,10 +188,15 @@ def _raise_invalid(state: GradState) -> None:
         value, kind = getattr(state, field.name), str(field.type)
         if kind == "int | None" and value is None:
             continue
+        if field.name == "grad_norm":
+            if value is not None and not isinstance(value, torch.Tensor):
+                fail_type("GradState", "grad_norm", value, "a 0-dim tensor or None")
+            continue
         if type(value).__name__ != kind.removesuffix(" | None"):
             wanted = a_or_an(kind.replace(" | ", " or "))
             fail_type("GradState", field.name, value, wanted)
     k, j, synced = state.accumulation_steps, state.micro_step, state.sync_gradients
+    norm = state.grad_norm
     problems = [
         (k < 1, f"accumulation_steps must be >= 1; got {k}."),
         (
@@ -204,6 +232,16 @@ def _raise_invalid(state: GradState) -> None:
             f"window_items ({state.window_items}) counts the items of an open "
             "window, so micro_step must be > 0; got micro_step=0. Pass "
             "window_items=None.",
+        ),
+        (
+            norm is not None and norm.dim() != 0,
+            "grad_norm must be a 0-dim tensor (the total norm) or None; got a "
+            f"tensor of shape {tuple(norm.shape) if norm is not None else ()}.",
+        ),
+        (
+            norm is not None and j != 0,
+            "grad_norm is measured by the micro-step that closes a window, so "
+            f"micro_step must be 0; got micro_step={j}. Pass grad_norm=None.",
         ),
     ]
     # __post_init__'s expression failed, so one of these holds.
@@ -435,10 +473,12 @@ def next_grad_state(
     end: bool,
     skipped: bool,
     window_items: int | None = None,
+    grad_norm: torch.Tensor | None = None,
 ) -> GradState:
     """Return the state after one micro-step of a valid ``grad`` (no checks).
 
-    ``window_items`` is the new state's count: ``None`` when ``synced``.
+    ``window_items`` is the new state's count: ``None`` when ``synced``;
+    ``grad_norm`` the norm the step measured, only when ``synced``.
     """
     # Runs on every micro-step. The fields follow from a valid ``grad`` (micro_step
     # is 0 exactly when synced, a skip only when synced), so the state is built as
@@ -457,4 +497,5 @@ def next_grad_state(
     _set_field(state, "sync_with_dataloader", grad.sync_with_dataloader)
     _set_field(state, "sync_each_batch", grad.sync_each_batch)
     _set_field(state, "window_items", window_items)
+    _set_field(state, "grad_norm", grad_norm)
     return state

@@ -1055,6 +1055,7 @@ def _run_case(ctx: DistributedContext, case: Case) -> dict[str, Any]:
                 "synced": grad.sync_gradients,
                 "allreduces": len(calls) - before,
                 "grads": grads,
+                "norm": grad.grad_norm,
             }
         )
     return {
@@ -1160,6 +1161,38 @@ def test_distributed_accumulation_equals_one_process_on_global_windows(
             for got, want in zip(result["seen"], want_grads, strict=True):
                 _close(got, want, 1e-10)
             _close(result["params"], want_params, 1e-10)
+
+
+@pytest.mark.distributed
+def test_grad_norm_is_the_global_pre_clip_norm_on_every_rank(
+    distributed: tuple[int, list[dict[str, Any]]],
+) -> None:
+    # GradState.grad_norm after a syncing micro-step: the norm of the whole
+    # window's mean gradient before clipping (DDP's all-reduced gradient; FSDP2's
+    # shards made whole), bit for bit the same on every rank; None elsewhere.
+    world, ranks = distributed
+    clipped = []
+    for n_case, case in enumerate(CASES[world]):
+        rows = [rank["cases"][n_case]["rows"] for rank in ranks]
+        if case.max_grad_norm is None:
+            assert all(row["norm"] is None for rank in rows for row in rank)
+            continue
+        clipped.append(case.wrap)
+        x, y = _data(case.steps * case.bs * world)
+        windows = _global_windows(case, world)
+        _, _, starts = _reference(windows, x, y, max_grad_norm=case.max_grad_norm)
+        want = [
+            torch.cat([g.flatten() for g in _grads_of(start, x[w[0]], y[w[0]])]).norm()
+            for start, w in zip(starts, windows, strict=True)
+        ]
+        first = [row["norm"] for row in rows[0] if row["synced"]]
+        _close(first, want, 1e-10)
+        assert want[0] > case.max_grad_norm  # the norm before clipping
+        for rank in rows:
+            assert all(row["norm"] is None for row in rank if not row["synced"])
+            norms = [row["norm"] for row in rank if row["synced"]]
+            assert all(torch.equal(a, b) for a, b in zip(norms, first, strict=True))
+    assert world != 2 or sorted(clipped) == ["ddp", "fsdp"]
 
 
 def _want_synced(case: Case) -> list[bool]:

@@ -41,12 +41,16 @@ class _Engine:
         self.overflow_on_step = overflow_on_step
         self.boundaries: list[bool] = []
         self.scales_seen: list[float] = []
+        self.norm: float | None = None
 
     def gradient_clipping(self) -> float:
         return self.clipping
 
     def gradient_accumulation_steps(self) -> int:
         return K
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.norm
 
     def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
         self.boundaries.append(boundary)
@@ -58,6 +62,8 @@ class _Engine:
         if not self.boundaries[-1]:
             return
         self.scales_seen.append(self.optimizer.loss_scale)
+        # ZeRO's scaled norm over its loss scale; a stand-in value per step.
+        self.norm = 5.0 / self.optimizer.loss_scale
         self.optimizer.overflow = self.overflow_on_step
         if self.overflow_on_step:
             self.optimizer.loss_scale /= 2
@@ -122,3 +128,12 @@ def test_max_grad_norm_other_than_the_configs_clipping_is_refused() -> None:
     assert engine.boundaries == []  # refused before the forward
     _run(engine, 1, max_grad_norm=1.0)  # the same value is fine
     assert engine.optimizer.clip_grad == 0.0  # restored after the step
+
+
+def test_grad_norm_is_the_engines_norm_of_the_step_when_clipping() -> None:
+    engine = _Engine(1.0, False, clipping=1.0)
+    grad = _run(engine, 1, max_grad_norm=1.0)  # a short window: scale 1 / K
+    assert grad.grad_norm is not None
+    assert grad.grad_norm.dtype == torch.float64 and grad.grad_norm.dim() == 0
+    assert grad.grad_norm.item() == 5.0 / (1.0 / K)  # the k / m correction included
+    assert _run(_Engine(1.0, False, clipping=1.0), 1).grad_norm is None  # not asked
