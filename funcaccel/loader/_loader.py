@@ -34,6 +34,7 @@ from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
 from funcaccel._typing import RngType
 from funcaccel.context import DistributedContext
+from funcaccel.loader._draws import draw_global
 from funcaccel.loader._placement import send_to_device
 from funcaccel.loader._setup import Setup
 from funcaccel.loader._setup import build_setup
@@ -243,7 +244,9 @@ def shard_loader(
         slice_fn=slice_fn,
         mesh=mesh,
     )
-    return ShardedLoader(build_setup(ctx, dataloader, plan))
+    setup = build_setup(ctx, dataloader, plan)
+    draw_global(setup.draws.when_built)  # as Accelerate's prepare_data_loader
+    return ShardedLoader(setup)
 
 
 def _skip(loader: ShardedLoader, state: LoaderState) -> int:

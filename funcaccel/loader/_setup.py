@@ -34,6 +34,8 @@ from funcaccel._rng_types import check_rng_types
 from funcaccel._typing import RngType
 from funcaccel._world import check_world
 from funcaccel.context import DistributedContext
+from funcaccel.loader._draws import EpochDraws
+from funcaccel.loader._draws import plan_draws
 from funcaccel.loader._indices import BaseIndices
 from funcaccel.loader._reading import CountedStream
 from funcaccel.loader._reading import IndexSlot
@@ -103,6 +105,8 @@ class Setup:
     reseed_generator: torch.Generator | None
     worker_generator: torch.Generator  # the inner loader's; seeded seed + epoch
     epoch_targets: tuple[Any, ...]  # objects whose set_epoch is called
+    # what the loader draws from torch's global generator, as Accelerate's does
+    draws: EpochDraws
 
 
 def _check_types(
@@ -420,6 +424,12 @@ def build_setup(
         reseed_generator=None if base is not None else _reseeded_generator(dataset),
         worker_generator=worker_generator,
         epoch_targets=_epoch_targets(dataloader, base),
+        draws=plan_draws(
+            kind="iterable" if base is None else base.kind,
+            processes=plan.view.num_processes,
+            dispatch=plan.dispatch,
+            persistent_workers=dataloader.persistent_workers,
+        ),
     )
 
 

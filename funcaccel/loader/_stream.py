@@ -103,10 +103,13 @@ def _epoch_samples(setup: Setup) -> int | None:
     return len(dataset) if isinstance(dataset, Sized) else None
 
 
-def _start_epoch(setup: Setup, epoch: int) -> None:
-    """Start an epoch on every rank: synchronise, seed, then ``set_epoch``.
+def _start_epoch(setup: Setup, epoch: int, skip: int) -> None:
+    """Start an epoch on every rank: synchronise, seed, ``set_epoch``, then draw.
 
-    The rules: docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
+    The rules: docs/loader.md#semantics-epoch-order-and-rng-synchronisation. The
+    draws from torch's global generator are those of Accelerate's loader, made
+    where its iterator makes them (after ``set_epoch``); a resumed epoch
+    (``skip > 0``) makes none: docs/loader.md#draws-from-torchs-global-generator.
     """
     sync_rng_states(
         setup.ctx, setup.rng_types, setup.sync_generator, caller="iter_batches"
@@ -116,6 +119,7 @@ def _start_epoch(setup: Setup, epoch: int) -> None:
     setup.worker_generator.manual_seed(setup.seed + epoch)
     for target in setup.epoch_targets:
         target.set_epoch(epoch)
+    setup.draws.start_epoch(resumed=skip > 0)
 
 
 def _consume(iterator: Iterator[Any], count: int) -> int:
@@ -167,7 +171,7 @@ def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
     first ``skip`` batches: for map-style data only indices were skipped; for
     iterable data the skipped batches were read and dropped.
     """
-    _start_epoch(setup, epoch)
+    _start_epoch(setup, epoch, skip)
     assert setup.inner is not None  # only dispatch ranks > 0 have none
     if setup.base is None:
         batches = iter(setup.inner)
@@ -302,7 +306,7 @@ def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
 
 def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     ctx, view = setup.ctx, setup.view
-    _start_epoch(setup, epoch)
+    _start_epoch(setup, epoch, skip)
     group = 1 if setup.split_batches else view.num_processes
     base: Iterator[Any] | None = None
     pad_source: Callable[[], list[Any]] | None = None
