@@ -3,8 +3,9 @@
 One process here: the norm and the parameters equal, bit for bit, a hand-written
 loop that calls ``torch.nn.utils.clip_grad_norm_(model.parameters())``, also when
 the optimizer's param groups list the parameters in another order. The global
-norm at 2 and 3 ranks (DDP, FSDP2) is checked in ``test_accumulate.py``; the
-DeepSpeed engine's in ``test_deepspeed_step.py``.
+norm under tensor parallelism is checked here at 2 ranks; at 2 and 3 ranks under
+DDP and FSDP2 in ``test_accumulate.py``; a DeepSpeed ZeRO-2 engine's in
+``test_grad_norm_deepspeed.py`` (and ``test_deepspeed_step.py``, on a stand-in).
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ from typing import NamedTuple
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel import RowwiseParallel
 
 from funcaccel.accumulate import accumulate_step
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
+from funcaccel.mesh import build_mesh
+from funcaccel.model import wrap_model
+from funcaccel.testing import run_ranks
+from tests.fixtures import TpMLP
 
 K = 3
 MICRO = 7  # windows of 3, 3 and a short last one of 1
@@ -190,3 +197,45 @@ def test_grad_state_checks_grad_norm(
 ) -> None:
     with pytest.raises(error, match=match):
         GradState(accumulation_steps=2, **fields)  # type: ignore[arg-type]
+
+
+def _tp_norms(ctx: DistributedContext, tp: int) -> list[torch.Tensor]:
+    """Norms of 2 windows (2 + a short 1) of a float64 MLP, tensor-parallel or not."""
+    torch.manual_seed(0)
+    model: nn.Module = TpMLP().double()
+    if tp > 1:
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        mesh = build_mesh(ctx, dp_replicate=1, dp_shard=1, tp=tp)
+        model = wrap_model(ctx, model, mesh=mesh, tp_plan=plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(1)  # the same data on every tp rank
+    grad = GradState(accumulation_steps=2)
+    norms = []
+    for step in range(3):
+        x = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+        y = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+        _, grad = accumulate_step(
+            ctx,
+            grad,
+            model,
+            opt,
+            lambda: _loss(model, x, y),
+            end_of_dataloader=step == 2,
+            max_grad_norm=0.1,
+        )
+        if grad.grad_norm is not None:
+            norms.append(grad.grad_norm)
+    return norms
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_grad_norm_is_the_whole_models_on_every_rank() -> None:
+    want = _tp_norms(DistributedContext(), 1)
+    assert len(want) == 2 and all(n > 0.1 for n in want)
+    results = run_ranks(_tp_norms, 2, 2, start_method="forkserver")
+    for norms in results:
+        assert all(type(n) is torch.Tensor for n in norms)  # not a DTensor
+        assert all(torch.equal(a, b) for a, b in zip(norms, results[0], strict=True))
+        torch.testing.assert_close(
+            torch.stack(norms), torch.stack(want), rtol=1e-12, atol=0.0
+        )
