@@ -118,7 +118,7 @@ def funcaccel_epoch(
                 functools.partial(_loss, model, x, y),
                 end_of_dataloader=i == last,
             )
-            maybe_step_scheduler(ctx, scheduler, grad, split_batches=False)
+            maybe_step_scheduler(ctx, scheduler, grad, schedule_counts="batches")
 
     return run, model
 

@@ -168,7 +168,7 @@ def funcaccel_epoch(
                 end_of_dataloader=i == last,
                 scaler=scaler,
             )
-            maybe_step_scheduler(ctx, scheduler, grad)
+            maybe_step_scheduler(ctx, scheduler, grad, schedule_counts="batches")
 
     return run, model
 

@@ -9,23 +9,25 @@ stepping a scheduler that has a ``total_steps`` (``OneCycleLR``) past its end.
 >>> ctx = DistributedContext(
 ...     num_processes=2, process_index=0, distributed_type=DistributedType.MULTI_CPU
 ... )
->>> scheduler_steps_due(ctx, GradState(), split_batches=False)
+>>> scheduler_steps_due(ctx, GradState(), schedule_counts="batches")
 2
->>> scheduler_steps_due(ctx, GradState(), split_batches=True)
+>>> scheduler_steps_due(ctx, GradState(), schedule_counts="updates")
 1
 
-How many steps an update counts for depends on the loader (``split_batches``),
-so with several processes the loader (or the flag) must be passed:
+How many steps an update counts depends on how the schedule's length is
+counted, so every call that steps with the optimizer says it, through the
+loader or ``schedule_counts``, on one process too (where both give 1):
 
->>> scheduler_steps_due(ctx, GradState())
+>>> scheduler_steps_due(DistributedContext(), GradState())
 Traceback (most recent call last):
 ...
-ValueError: scheduler_steps_due: with 2 processes an update counts 1 scheduler step ...
+ValueError: scheduler_steps_due: neither loader= nor schedule_counts= says how ...
 """
 
 from __future__ import annotations
 
 from typing import Final
+from typing import Literal
 from typing import SupportsFloat
 
 from torch.optim import Optimizer
@@ -33,6 +35,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_choice
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
@@ -44,20 +47,31 @@ from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import ShardedLoader
 
-__all__ = ["maybe_step_scheduler", "scheduler_steps_due"]
+__all__ = ["ScheduleCounts", "maybe_step_scheduler", "scheduler_steps_due"]
 
+ScheduleCounts = Literal["updates", "batches"]
+_COUNTS: Final[tuple[ScheduleCounts, ...]] = ("updates", "batches")
 _CALLER: Final = "maybe_step_scheduler"
-_WITH_LOADER: Final = "None when loader= is given"
-_BOTH: Final = "The loader already says whether it splits batches; pass one of the two."
 _NOT_OPTIMIZER: Final = (
     "an LR scheduler, not an optimizer",
     "Its step() would update the parameters; pass the LR scheduler built on it.",
 )
 _MSG_NEITHER: Final = (
-    "{caller}: with {p} processes an update counts 1 scheduler step if the loader "
-    "splits each batch across processes (split_batches=True) and {p} if not, and "
-    "neither loader= nor split_batches= was given; pass loader=<the ShardedLoader "
-    "from shard_loader>, or split_batches=True/False for a loader of your own."
+    "{caller}: neither loader= nor schedule_counts= says how the schedule's length "
+    "is counted, which decides how many steps an optimizer update counts once "
+    "several processes run (this run has {p}); got loader=None, "
+    "schedule_counts=None. Pass loader=<the ShardedLoader from shard_loader> "
+    "(Accelerate's convention, read from that loader), schedule_counts='updates' "
+    "for a schedule counted in optimizer updates (one step per update; a loop "
+    "without a loader, such as nanoGPT's), or schedule_counts='batches' for one "
+    "counted in one process's batches (num_processes steps per update)."
+)
+_REPLACED: Final = "left out: schedule_counts= replaced it"
+_SPLIT_FIX: Final = (
+    "Pass schedule_counts='batches' (num_processes steps per update, what "
+    "split_batches=False did: a schedule counted in one process's batches), "
+    "schedule_counts='updates' (one step per update, what split_batches=True "
+    "did), or loader=<the ShardedLoader> to read it from the loader."
 )
 _MSG_NO_METRICS: Final = (
     f"{_CALLER}: ReduceLROnPlateau steps on a metric but metrics=None; pass "
@@ -73,7 +87,8 @@ def scheduler_steps_due(
     grad: GradState,
     *,
     loader: ShardedLoader | None = None,
-    split_batches: bool | None = None,
+    schedule_counts: ScheduleCounts | None = None,
+    split_batches: None = None,
     step_with_optimizer: bool = True,
 ) -> int:
     """Return how many scheduler steps the last micro-step calls for (pure).
@@ -81,56 +96,67 @@ def scheduler_steps_due(
     1. ``step_with_optimizer=False``: one per call, whatever ``grad`` says.
     2. Else none after an accumulation micro-step (``not grad.sync_gradients``) or
        a step the fp16 scaler skipped (``grad.step_was_skipped``).
-    3. Else one with ``split_batches``, ``ctx.num_processes`` without: the schedule
-       counts single-process batches, so each update on ``p`` ranks counts ``p``
-       (accumulation does not stretch it).
+    3. Else one per update when the schedule counts optimizer updates
+       (``schedule_counts="updates"``); when it counts one process's batches
+       (``"batches"``, Accelerate's convention), one per update if ``loader``
+       splits each batch across processes and ``ctx.num_processes`` if not (an
+       update on ``p`` ranks used up ``p`` such batches; accumulation does not
+       stretch it).
 
-    ``split_batches`` is read from ``loader`` (the ``ShardedLoader`` the batches
-    come from), or given as a bool for a loader of your own. One process needs
-    neither (an update counts one step either way), nor does
-    ``step_with_optimizer=False``; several processes refuse to guess.
+    ``schedule_counts`` defaults to ``"batches"`` when ``loader`` (the
+    ``ShardedLoader`` the batches come from) is given; without a loader it must
+    be given whenever the scheduler steps with the optimizer, on one process too,
+    so that a script fails where it is written rather than when scaled out.
+    ``split_batches=`` was replaced by ``schedule_counts=`` and is refused.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: several processes and neither ``loader`` nor
-            ``split_batches``; or both.
+        ValueError: neither ``loader`` nor ``schedule_counts`` (with
+            ``step_with_optimizer``), a ``schedule_counts`` other than
+            ``"updates"``/``"batches"``, or ``split_batches`` given.
 
     >>> from funcaccel.accumulate import GradState
     >>> one = DistributedContext()
-    >>> scheduler_steps_due(one, GradState(accumulation_steps=2, micro_step=1, sync_gradients=False))
+    >>> micro = GradState(accumulation_steps=2, micro_step=1, sync_gradients=False)
+    >>> scheduler_steps_due(one, micro, schedule_counts="updates")
     0
-    >>> scheduler_steps_due(one, GradState(step_was_skipped=True))
+    >>> scheduler_steps_due(one, GradState(step_was_skipped=True), schedule_counts="updates")
     0
     >>> scheduler_steps_due(one, GradState(step_was_skipped=True), step_with_optimizer=False)
     1
     """
     caller = "scheduler_steps_due"
     _check_args(ctx, grad, step_with_optimizer, caller)
-    split = _split_batches(ctx, loader, split_batches, step_with_optimizer, caller)
-    return _due(ctx, grad, split, step_with_optimizer)
+    per_update = _per_update(
+        ctx, loader, schedule_counts, split_batches, step_with_optimizer, caller
+    )
+    return _due(grad, per_update, step_with_optimizer)
 
 
-def _split_batches(
+def _per_update(
     ctx: DistributedContext,
     loader: object,
+    schedule_counts: object,
     split_batches: object,
     step_with_optimizer: bool,
     caller: str,
-) -> bool:
-    """Return the loader's ``split_batches``, from whichever of the two was given."""
+) -> int:
+    """Return how many scheduler steps one optimizer update counts."""
     if split_batches is not None:
-        if loader is not None:
-            fail_value(caller, "split_batches", split_batches, _WITH_LOADER, _BOTH)
-        return check_bool(caller, "split_batches", split_batches)
+        fail_value(caller, "split_batches", split_batches, _REPLACED, _SPLIT_FIX)
+    split = False
     if loader is not None:
         what = "the ShardedLoader shard_loader returned"
-        hint = "For a loader of your own pass split_batches=True or False instead."
-        return check_type(
+        hint = "Without one, pass schedule_counts='updates' or 'batches' instead."
+        split = check_type(
             caller, "loader", loader, ShardedLoader, what=what, hint=hint
         ).split_batches
-    if ctx.num_processes > 1 and step_with_optimizer:
-        raise ValueError(_MSG_NEITHER.format(caller=caller, p=ctx.num_processes))
-    return False
+    if schedule_counts is None:
+        if loader is None and step_with_optimizer:
+            raise ValueError(_MSG_NEITHER.format(caller=caller, p=ctx.num_processes))
+        schedule_counts = "batches"
+    counts = check_choice(caller, "schedule_counts", schedule_counts, _COUNTS)
+    return 1 if counts == "updates" or split else ctx.num_processes
 
 
 def _check_args(
@@ -145,17 +171,12 @@ def _check_args(
     check_bool(caller, "step_with_optimizer", step_with_optimizer)
 
 
-def _due(
-    ctx: DistributedContext,
-    grad: GradState,
-    split_batches: bool,
-    step_with_optimizer: bool,
-) -> int:
+def _due(grad: GradState, per_update: int, step_with_optimizer: bool) -> int:
     if not step_with_optimizer:
         return 1
     if not grad.sync_gradients or grad.step_was_skipped:
         return 0
-    return 1 if split_batches else ctx.num_processes
+    return per_update
 
 
 def _has_steps_left(scheduler: object) -> bool:
@@ -174,32 +195,42 @@ def maybe_step_scheduler(
     grad: GradState,
     *,
     loader: ShardedLoader | None = None,
-    split_batches: bool | None = None,
+    schedule_counts: ScheduleCounts | None = None,
+    split_batches: None = None,
     step_with_optimizer: bool = True,
     metrics: SupportsFloat | None = None,
 ) -> int:
     """Step ``scheduler`` in place as often as ``scheduler_steps_due`` says.
 
     Call it after every ``accumulate_step`` with the state that returned, and
-    with ``loader=`` the ``ShardedLoader`` the batches come from (whether it
-    splits batches decides how many steps an update counts). A scheduler with a
+    say how the schedule's length is counted: ``loader=`` the ``ShardedLoader``
+    the batches come from (Accelerate's convention: ``num_processes`` steps per
+    update, one if the loader splits batches), or ``schedule_counts="updates"``
+    (one step per update, e.g. a loop without a loader, each rank sampling its
+    own batches) or ``"batches"``. Leaving out both is an error on one process
+    too, where the count would be right, so that it is not first met when the
+    script is scaled out (Accelerate needs neither: its loader and
+    ``split_batches`` live on the ``Accelerator``). A scheduler with a
     ``total_steps`` (``OneCycleLR``) stops at its end instead of raising;
     ``ReduceLROnPlateau`` needs ``metrics`` and is usually stepped once per
     evaluation with ``step_with_optimizer=False``. The rules:
     docs/accumulate.md#semantics-stepping-the-scheduler.
 
     Example, 2 ranks, ``k=2``, 4 batches per rank, ``StepLR``: ``_step_count`` goes
-    1 → 3 → 5 on every rank (``split_batches=True``: 1 → 2 → 3). ``OneCycleLR`` with
-    ``total_steps=3``, 2 ranks, ``k=1``: 3, 4, 4.
+    1 → 3 → 5 on every rank with ``schedule_counts="batches"`` (or an unsplit
+    ``loader``), 1 → 2 → 3 with ``"updates"`` (or a splitting ``loader``).
+    ``OneCycleLR`` with ``total_steps=3``, 2 ranks, ``k=1``, ``"batches"``: 3, 4, 4.
 
     Args:
         ctx: the run's context.
         scheduler: a torch LR scheduler, or anything with ``step()``.
         grad: the state ``accumulate_step`` returned for this micro-step.
         loader: the ``ShardedLoader`` being trained on; its ``split_batches``
-            is used.
-        split_batches: instead of ``loader``, for a loader of your own: whether
-            each batch is split across processes.
+            is used, and ``schedule_counts`` defaults to ``"batches"``.
+        schedule_counts: ``"updates"`` if the schedule's length is counted in
+            optimizer updates, ``"batches"`` if in one process's batches
+            (Accelerate's convention). Required without ``loader``.
+        split_batches: removed; refused with the ``schedule_counts`` to use.
         step_with_optimizer: step with the optimizer (else once per call).
         metrics: the value ``ReduceLROnPlateau.step`` compares.
 
@@ -209,8 +240,9 @@ def maybe_step_scheduler(
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: ``metrics`` missing for ``ReduceLROnPlateau``, or given to
-            another scheduler; several processes and neither ``loader`` nor
-            ``split_batches`` (or both).
+            another scheduler; neither ``loader`` nor ``schedule_counts`` (with
+            ``step_with_optimizer``); a ``schedule_counts`` other than
+            ``"updates"``/``"batches"``; ``split_batches`` given.
     """
     if not (  # the usual arguments in one expression (this runs per micro-step)
         isinstance(ctx, DistributedContext)
@@ -218,13 +250,6 @@ def maybe_step_scheduler(
         and type(step_with_optimizer) is bool
     ):
         _check_args(ctx, grad, step_with_optimizer, _CALLER)
-    # The usual calls, decided without a function call (this runs per micro-step).
-    if split_batches is None and type(loader) is ShardedLoader:
-        split = loader.split_batches
-    elif split_batches is None and loader is None and ctx.num_processes == 1:
-        split = False  # one process: an update counts one step either way
-    else:
-        split = _split_batches(ctx, loader, split_batches, step_with_optimizer, _CALLER)
     plateau = isinstance(scheduler, ReduceLROnPlateau)
     if (
         (metrics is None) == plateau
@@ -234,7 +259,20 @@ def maybe_step_scheduler(
         _check_scheduler(scheduler, plateau, metrics)
     if plateau:
         _check_metrics(metrics)
-    due = _due(ctx, grad, split, step_with_optimizer)
+    # The usual calls, decided without a function call (this runs per micro-step).
+    if split_batches is None and schedule_counts == "updates" and loader is None:
+        per_update = 1
+    elif (
+        split_batches is None
+        and schedule_counts is None
+        and type(loader) is ShardedLoader
+    ):
+        per_update = 1 if loader.split_batches else ctx.num_processes
+    else:
+        per_update = _per_update(
+            ctx, loader, schedule_counts, split_batches, step_with_optimizer, _CALLER
+        )
+    due = _due(grad, per_update, step_with_optimizer)
     stepped = 0
     while stepped < due and _has_steps_left(scheduler):
         if isinstance(scheduler, ReduceLROnPlateau):

@@ -106,7 +106,7 @@ def _train(
             lambda: nn.functional.mse_loss(model(x[rows]), y[rows]),
             end_of_dataloader=step == MICRO - 1,
         )
-        maybe_step_scheduler(ctx, sched, grad, split_batches=True)
+        maybe_step_scheduler(ctx, sched, grad, schedule_counts="updates")
     return grad
 
 

@@ -356,9 +356,12 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "ReduceLROnPlateau, not StepLR; drop metrics.": lambda _: _schedule(
         ONE, metrics=1.0
     ),
-    "ValueError: maybe_step_scheduler: with 2 processes an update counts 1 "
-    "scheduler step if the loader splits each batch across processes "
-    "(split_batches=True) and 2 if not, ...": lambda _: _schedule(_world(2)),
+    "ValueError: maybe_step_scheduler: neither loader= nor schedule_counts= says "
+    "how the schedule's length is counted, ...": lambda _: _schedule(_world(2)),
+    "ValueError: maybe_step_scheduler: split_batches must be left out: "
+    "schedule_counts= replaced it; got False. ...": lambda _: _schedule(
+        ONE, split_batches=False
+    ),
     "RuntimeError: accumulate_step: ctx has num_processes=2 but no default "
     "process group is initialised; ...": lambda _: _step(_world(2)),
     "TypeError: accumulate_step: num_items must be an int or a 0-dim integer tensor "

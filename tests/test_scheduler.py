@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
+from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.lr_scheduler import OneCycleLR
 from torch.optim.lr_scheduler import ReduceLROnPlateau
@@ -30,6 +31,8 @@ from funcaccel.loader import ShardedLoader
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from funcaccel.mixed_precision import build_grad_scaler
+from funcaccel.model import wrap_model
+from funcaccel.scheduler import ScheduleCounts
 from funcaccel.scheduler import maybe_step_scheduler
 from funcaccel.scheduler import scheduler_steps_due
 from funcaccel.testing import run_ranks
@@ -49,7 +52,7 @@ def _simulate(
     flags: Sequence[bool],
     *,
     skipped: Sequence[bool] = (),
-    split_batches: bool = False,
+    counts_in: ScheduleCounts = "batches",
 ) -> tuple[list[int], list[int]]:
     """Walk micro-steps as accumulate_step would; return steps and _step_count."""
     steps, counts = [], []
@@ -59,7 +62,7 @@ def _simulate(
         if grad.sync_gradients and not grad.step_was_skipped:
             scheduler.optimizer.step()  # what accumulate_step does; torch checks it
         steps.append(
-            maybe_step_scheduler(ctx, scheduler, grad, split_batches=split_batches)
+            maybe_step_scheduler(ctx, scheduler, grad, schedule_counts=counts_in)
         )
         counts.append(scheduler._step_count)
     return steps, counts
@@ -67,10 +70,10 @@ def _simulate(
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize(
-    ("split_batches", "expected"), [(False, [1, 3, 3, 5]), (True, [1, 2, 2, 3])]
+    ("counts_in", "expected"), [("batches", [1, 3, 3, 5]), ("updates", [1, 2, 2, 3])]
 )
 def test_spec_example_step_lr_two_ranks_k2(
-    rank: int, split_batches: bool, expected: list[int]
+    rank: int, counts_in: ScheduleCounts, expected: list[int]
 ) -> None:
     scheduler = StepLR(_optimizer(), step_size=1)
     flags = [False, False, False, True]  # 4 batches per rank
@@ -79,7 +82,7 @@ def test_spec_example_step_lr_two_ranks_k2(
         scheduler,
         GradState(accumulation_steps=2),
         flags,
-        split_batches=split_batches,
+        counts_in=counts_in,
     )
     assert counts == expected
 
@@ -95,10 +98,10 @@ def test_spec_example_one_cycle_total_3_two_ranks_never_steps_past_its_end(
 
 
 @pytest.mark.parametrize(
-    ("split_batches", "step_with_optimizer"), [(True, True), (False, False)]
+    ("counts_in", "step_with_optimizer"), [("updates", True), ("batches", False)]
 )
 def test_one_cycle_guard_applies_on_every_path(
-    split_batches: bool, step_with_optimizer: bool
+    counts_in: ScheduleCounts, step_with_optimizer: bool
 ) -> None:
     optimizer = _optimizer()
     scheduler = OneCycleLR(optimizer, max_lr=1.0, total_steps=2)
@@ -108,7 +111,7 @@ def test_one_cycle_guard_applies_on_every_path(
             rank_ctx(4),
             scheduler,
             GradState(),
-            split_batches=split_batches,
+            schedule_counts=counts_in,
             step_with_optimizer=step_with_optimizer,
         )
         for _ in range(5)
@@ -131,32 +134,34 @@ def test_spec_example_scaler_ok_inf_ok_one_process() -> None:
             return out.float().sum() * factor
 
         _, grad = accumulate_step(ctx, grad, model, optimizer, loss_fn, scaler=scaler)
-        steps.append(maybe_step_scheduler(ctx, scheduler, grad))
+        steps.append(
+            maybe_step_scheduler(ctx, scheduler, grad, schedule_counts="updates")
+        )
         counts.append(scheduler._step_count)
     assert counts == [2, 2, 3]
     assert steps == [1, 0, 1]
 
 
 @pytest.mark.parametrize(
-    ("grad", "split", "with_optimizer", "expected"),
+    ("grad", "counts_in", "with_optimizer", "expected"),
     [
-        (GradState(), False, True, 3),
-        (GradState(), True, True, 1),
-        (GradState(step_was_skipped=True), False, True, 0),
-        (GradState(step_was_skipped=True), False, False, 1),
-        (GradState(accumulation_steps=2, micro_step=1, sync_gradients=False), False, True, 0),
-        (GradState(accumulation_steps=2, micro_step=1, sync_gradients=False), True, False, 1),
-        (GradState(accumulation_steps=2, end_of_dataloader=True), False, True, 3),
+        (GradState(), "batches", True, 3),
+        (GradState(), "updates", True, 1),
+        (GradState(step_was_skipped=True), "batches", True, 0),
+        (GradState(step_was_skipped=True), "batches", False, 1),
+        (GradState(accumulation_steps=2, micro_step=1, sync_gradients=False), "batches", True, 0),
+        (GradState(accumulation_steps=2, micro_step=1, sync_gradients=False), "updates", False, 1),
+        (GradState(accumulation_steps=2, end_of_dataloader=True), "batches", True, 3),
     ],
 )  # fmt: skip
 def test_scheduler_steps_due_table_on_three_ranks(
-    grad: GradState, split: bool, with_optimizer: bool, expected: int
+    grad: GradState, counts_in: ScheduleCounts, with_optimizer: bool, expected: int
 ) -> None:
     for rank in range(3):
         due = scheduler_steps_due(
             rank_ctx(3, rank),
             grad,
-            split_batches=split,
+            schedule_counts=counts_in,
             step_with_optimizer=with_optimizer,
         )
         assert due == expected
@@ -166,11 +171,11 @@ def test_scheduler_steps_due_table_on_three_ranks(
 @given(
     p=st.integers(1, 4),
     k=st.integers(1, 4),
-    split=st.booleans(),
+    counts_in=st.sampled_from(["updates", "batches"]),
     flags_skips=st.lists(st.tuples(st.booleans(), st.booleans()), max_size=30),
 )
 def test_scheduler_counts_applied_updates_times_processes(
-    p: int, k: int, split: bool, flags_skips: list[tuple[bool, bool]]
+    p: int, k: int, counts_in: ScheduleCounts, flags_skips: list[tuple[bool, bool]]
 ) -> None:
     grad = GradState(accumulation_steps=k)
     flags = [f for f, _ in flags_skips]
@@ -184,9 +189,10 @@ def test_scheduler_counts_applied_updates_times_processes(
     scheduler = StepLR(_optimizer(), step_size=1)
     steps, counts = _simulate(
         rank_ctx(p), scheduler, GradState(accumulation_steps=k), flags,
-        skipped=skips, split_batches=split,
+        skipped=skips, counts_in=counts_in,
     )  # fmt: skip
-    assert sum(steps) == (1 if split else p) * grad.optimizer_steps
+    per_update = 1 if counts_in == "updates" else p
+    assert sum(steps) == per_update * grad.optimizer_steps
     assert scheduler._step_count == 1 + sum(steps)
 
 
@@ -195,7 +201,10 @@ def test_reduce_lr_on_plateau_takes_metrics() -> None:
     scheduler = ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
     optimizer.step()
     for metric in (1.0, 0.5):  # improving: the lr stays
-        assert maybe_step_scheduler(ONE, scheduler, GradState(), metrics=metric) == 1
+        due = maybe_step_scheduler(
+            ONE, scheduler, GradState(), schedule_counts="updates", metrics=metric
+        )
+        assert due == 1
     assert optimizer.param_groups[0]["lr"] == 1.0
     n = maybe_step_scheduler(
         rank_ctx(2), scheduler, GradState(), metrics=2.0, step_with_optimizer=False
@@ -208,7 +217,13 @@ def test_reduce_lr_on_plateau_takes_metrics() -> None:
         match=r"maybe_step_scheduler: ReduceLROnPlateau steps on a metric but metrics=None",
     ):
         maybe_step_scheduler(ONE, scheduler, GradState())
-    assert maybe_step_scheduler(ONE, scheduler, GradState(), metrics=torch.tensor(3.0))
+    assert maybe_step_scheduler(
+        ONE,
+        scheduler,
+        GradState(),
+        schedule_counts="updates",
+        metrics=torch.tensor(3.0),
+    )
     for bad in ("0.5", torch.ones(2), object()):
         with pytest.raises(
             TypeError,
@@ -229,7 +244,9 @@ def test_any_object_with_step_is_stepped() -> None:
 
     counter = Counter()
     assert (
-        maybe_step_scheduler(rank_ctx(3, 2), counter, GradState(), split_batches=False)
+        maybe_step_scheduler(
+            rank_ctx(3, 2), counter, GradState(), schedule_counts="batches"
+        )
         == 3
     )
     assert counter.calls == 3
@@ -248,9 +265,11 @@ def test_maybe_step_scheduler_rejects_bad_input() -> None:
     ):
         maybe_step_scheduler(ONE, object(), GradState())  # type: ignore[arg-type]
     with pytest.raises(
-        TypeError, match=r"maybe_step_scheduler: split_batches must be a bool; got 1"
+        ValueError,
+        match=r"maybe_step_scheduler: schedule_counts must be one of 'updates', "
+        r"'batches'; got 'steps'\.",
     ):
-        maybe_step_scheduler(ONE, scheduler, GradState(), split_batches=1)  # type: ignore[arg-type]
+        maybe_step_scheduler(ONE, scheduler, GradState(), schedule_counts="steps")  # type: ignore[arg-type]
     with pytest.raises(
         TypeError, match=r"maybe_step_scheduler: step_with_optimizer must be a bool"
     ):
@@ -299,8 +318,12 @@ def test_maybe_step_scheduler_reads_split_batches_from_the_loader(
     assert scheduler_steps_due(ctx, GradState(), loader=loader) == (1 if split else p)
 
 
-@pytest.mark.parametrize(("p", "rank"), [(2, 1), (3, 2)])
-def test_maybe_step_scheduler_refuses_to_guess_split_batches(p: int, rank: int) -> None:
+@pytest.mark.parametrize(("p", "rank"), [(1, 0), (2, 1), (3, 2)])
+def test_without_loader_or_schedule_counts_the_call_is_refused_on_any_world_size(
+    p: int, rank: int
+) -> None:
+    # One process too: the count would be right there, but the same script
+    # would fail only once scaled out.
     ctx = rank_ctx(p, rank)
     scheduler = StepLR(_optimizer(), step_size=1)
     scheduler.optimizer.step()
@@ -308,35 +331,75 @@ def test_maybe_step_scheduler_refuses_to_guess_split_batches(p: int, rank: int) 
     for grad in (GradState(), accumulating):  # refused on any micro-step
         with pytest.raises(
             ValueError,
-            match=rf"maybe_step_scheduler: with {p} processes an update counts 1 "
-            rf"scheduler step if the loader splits each batch .* and {p} if not.*"
-            r"pass loader=<the ShardedLoader from shard_loader>",
+            match=r"maybe_step_scheduler: neither loader= nor schedule_counts= says "
+            rf"how the schedule's length is counted, .* \(this run has {p}\); got "
+            r"loader=None, schedule_counts=None\. Pass loader=<the ShardedLoader "
+            r"from shard_loader> .*schedule_counts='updates' .*"
+            r"schedule_counts='batches'",
         ):
             maybe_step_scheduler(ctx, scheduler, grad)
-    with pytest.raises(ValueError, match=r"scheduler_steps_due: with"):
+    with pytest.raises(ValueError, match=r"scheduler_steps_due: neither loader="):
         scheduler_steps_due(ctx, GradState())
-    loader = _loader(ctx, split_batches=True)
+    assert scheduler._step_count == 1  # nothing stepped
+    # Once per call: the question does not arise.
+    once = maybe_step_scheduler(ctx, scheduler, GradState(), step_with_optimizer=False)
+    assert once == 1
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("split", [False, True])
+def test_split_batches_is_refused_with_its_replacement(p: int, split: bool) -> None:
+    ctx = rank_ctx(p)
+    scheduler = StepLR(_optimizer(), step_size=1)
     with pytest.raises(
         ValueError,
-        match=r"maybe_step_scheduler: split_batches must be None when loader= is "
-        r"given; got True\. The loader already says whether it splits batches",
+        match=rf"maybe_step_scheduler: split_batches must be left out: "
+        rf"schedule_counts= replaced it; got {split}\. Pass "
+        r"schedule_counts='batches' \(num_processes steps per update, what "
+        r"split_batches=False did.*schedule_counts='updates' \(one step per "
+        r"update, what split_batches=True did\)",
     ):
-        maybe_step_scheduler(
-            ctx, scheduler, GradState(), loader=loader, split_batches=True
+        maybe_step_scheduler(ctx, scheduler, GradState(), split_batches=split)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"scheduler_steps_due: split_batches must"):
+        scheduler_steps_due(
+            ctx,
+            GradState(),
+            schedule_counts="updates",
+            split_batches=split,  # type: ignore[arg-type]
         )
+    assert scheduler._step_count == 1
+
+
+@pytest.mark.parametrize(("p", "rank"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize("split", [False, True])
+def test_schedule_counts_updates_steps_once_per_update_whatever_the_loader(
+    p: int, rank: int, split: bool
+) -> None:
+    ctx = rank_ctx(p, rank)
+    loader = _loader(ctx, split_batches=split)
+    for passed in (loader, None):
+        due = scheduler_steps_due(
+            ctx, GradState(), loader=passed, schedule_counts="updates"
+        )
+        assert due == 1
+    # "batches" follows the loader (an unsplit one without a loader).
+    batches = scheduler_steps_due(
+        ctx, GradState(), loader=loader, schedule_counts="batches"
+    )
+    assert batches == (1 if split else p)
+    assert scheduler_steps_due(ctx, GradState(), schedule_counts="batches") == p
+
+
+def test_a_wrong_loader_is_refused() -> None:
+    scheduler = StepLR(_optimizer(), step_size=1)
     with pytest.raises(
         TypeError,
         match=r"maybe_step_scheduler: loader must be the ShardedLoader shard_loader "
         r"returned; got list of 100 items \(list\)",
     ):
-        maybe_step_scheduler(ctx, scheduler, GradState(), loader=list(range(100)))  # type: ignore[arg-type]
-    assert scheduler._step_count == 1  # nothing stepped
-    # Once per call, or one process: an update counts the same either way.
-    assert (
-        maybe_step_scheduler(ctx, scheduler, GradState(), step_with_optimizer=False)
-        == 1
-    )
-    assert maybe_step_scheduler(ONE, scheduler, GradState()) == 1
+        wrong: Any = list(range(100))
+        maybe_step_scheduler(rank_ctx(2), scheduler, GradState(), loader=wrong)
+    assert scheduler._step_count == 1
 
 
 def _split_worker(ctx: DistributedContext, split: bool) -> dict[str, Any]:
@@ -368,4 +431,44 @@ def _split_worker(ctx: DistributedContext, split: bool) -> dict[str, Any]:
 def test_maybe_step_scheduler_follows_the_loader_on_two_processes(split: bool) -> None:
     for result in run_ranks(_split_worker, 2, split, start_method="forkserver"):
         assert result["count"] == 5
-        assert result["forgotten"].startswith("maybe_step_scheduler: with 2 processes")
+        assert result["forgotten"].startswith(
+            "maybe_step_scheduler: neither loader= nor schedule_counts="
+        )
+
+
+def _nanogpt_worker(ctx: DistributedContext) -> dict[str, Any]:
+    """A loop without a loader: each rank samples its own batches (as nanoGPT).
+
+    The cosine-style schedule is counted in optimizer updates: 3 updates of
+    ``k=2`` micro-steps each, ``LambdaLR`` reading the update number.
+    """
+    torch.manual_seed(100 + ctx.process_index)  # each rank its own batches
+    model = wrap_model(ctx, torch.nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    updates, k = 3, 2
+    scheduler = LambdaLR(optimizer, lambda step: 1.0 - step / updates)
+    grad, lrs, stepped = GradState(accumulation_steps=k), [], []
+    for _ in range(updates * k):
+        x = torch.randn(4, 2)
+        _, grad = accumulate_step(
+            ctx, grad, model, optimizer, lambda: model(x).square().mean()
+        )
+        stepped.append(
+            maybe_step_scheduler(ctx, scheduler, grad, schedule_counts="updates")
+        )
+        lrs.append(scheduler.get_last_lr()[0])
+    out: dict[str, Any] = {"stepped": stepped, "lrs": lrs}
+    try:  # the call of a script written without the question
+        maybe_step_scheduler(ctx, scheduler, grad)
+    except ValueError as error:
+        out["ambiguous"] = str(error)
+    return out
+
+
+@pytest.mark.distributed
+def test_a_loop_without_a_loader_steps_once_per_update_on_two_ranks() -> None:
+    for result in run_ranks(_nanogpt_worker, 2, start_method="forkserver"):
+        assert result["stepped"] == [0, 1] * 3
+        # lr after update u is 1 - u/3, on both ranks (not 1 - 2u/3)
+        assert result["lrs"] == pytest.approx([1.0, 2 / 3, 2 / 3, 1 / 3, 1 / 3, 0.0])
+        assert "neither loader= nor schedule_counts=" in result["ambiguous"]
