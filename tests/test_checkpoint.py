@@ -615,15 +615,21 @@ _member_names = st.lists(
     min_size=1,
     max_size=3,
 ).map("/".join)
+_names = st.lists(st.text(string.ascii_letters, min_size=1), max_size=3).map(tuple)
+# A per-rank part, or none (then no per-rank object names).
+_rank_parts = st.just((False, ())) | st.tuples(st.just(True), _names)
 _metas = st.builds(
-    CheckpointMeta,
+    lambda part, **fields: CheckpointMeta(
+        rank_part=part[0], rank_objects=part[1], **fields
+    ),
+    _rank_parts,
     world_size=st.integers(1, 64),
     state_format=st.sampled_from(["torch", "dcp"]),
     models=st.integers(0, 4),
     optimizers=st.integers(0, 4),
     schedulers=st.integers(0, 4),
     scaler=st.booleans(),
-    objects=st.lists(st.text(string.ascii_letters, min_size=1), max_size=3).map(tuple),
+    objects=_names,
     rng=st.booleans(),
     grad=st.none() | _grad_states(),
     loader=st.none()

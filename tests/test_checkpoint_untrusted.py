@@ -365,6 +365,133 @@ def test_dcp_values_load_only_weights_only(tmp_path: Path) -> None:
     assert plain.tell() == 0  # rewound for DCP
 
 
+# --- per-rank parts -----------------------------------------------------------------
+
+
+class _Counter:
+    """A per-rank ``Stateful`` object holding one tensor."""
+
+    def __init__(self, value: float) -> None:
+        self.value = torch.tensor([value])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.value = state["value"].clone()
+
+
+def _replace_part(path: Path, content: object) -> None:
+    """Write ``content`` as rank 0's part and record its real size and hash."""
+    part = path / "rank_part_0.pt"
+    part.unlink()
+    torch.save(content, part)
+    entry = {"size": part.stat().st_size, "sha256": _layout_hash(part)}
+    _edit_manifest(path, lambda m: m["files"].update({"rank_part_0.pt": entry}))
+
+
+def _layout_hash(path: Path) -> str:
+    return funcaccel.checkpoint._layout.sha256_of(path)
+
+
+def _flip_first_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF  # the zip signature: same size, unreadable
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "verify", "match"),
+    [
+        (
+            lambda p: (p / "rank_part_0.pt").unlink(),
+            True,
+            r"rank_part_0\.pt is missing; the checkpoint is damaged",
+        ),
+        (
+            lambda p: _flip_first_byte(p / "rank_part_0.pt"),
+            True,
+            r"rank_part_0\.pt does not match the SHA-256 the manifest records",
+        ),
+        (
+            lambda p: _flip_first_byte(p / "rank_part_0.pt"),
+            False,
+            r"rank_part_0\.pt cannot be read .*truncated, damaged or crafted",
+        ),
+        (
+            lambda p: _edit_manifest(p, lambda m: m["files"].pop("rank_part_0.pt")),
+            True,
+            r"does not list rank_part_0\.pt, which the load reads.*" + CRAFTED,
+        ),
+        (
+            lambda p: _replace_part(p, {"objects": {}}),
+            True,
+            r"rank_part_0\.pt holds \{'objects': \{\}\}, not a per-rank part; the "
+            r"checkpoint is damaged \(or crafted\)",
+        ),
+        (
+            lambda p: _replace_part(p, {"objects": {"other": {}}, "extra": None}),
+            True,
+            r"rank_part_0\.pt holds rank_objects \['other'\], but the manifest lists \['count'\]",
+        ),
+        (
+            lambda p: _replace_part(
+                p, {"objects": {"count": {"value": 1}}, "extra": [1]}
+            ),
+            True,
+            r"rank_part_0\.pt holds rank_extra \[1\], not a dict with str keys",
+        ),
+        (
+            lambda p: _replace_part(
+                p, {"objects": {"count": {"wrong": 1}}, "extra": None}
+            ),
+            True,
+            r"rank_part_0\.pt does not fit rank_objects\['count'\] \(KeyError",
+        ),
+    ],
+    ids=[
+        "missing",
+        "flipped",
+        "flipped-unverified",
+        "unlisted",
+        "not-a-part",
+        "other-names",
+        "bad-extra",
+        "misfit",
+    ],
+)
+def test_a_damaged_or_missing_per_rank_part_is_refused(
+    tmp_path: Path, damage: Callable[[Path], None], verify: bool, match: str
+) -> None:
+    path = save_checkpoint(
+        ONE, tmp_path, rank_objects={"count": _Counter(3.0)}, rank_extra={"n": 1}
+    )
+    damage(path)
+    target = _Counter(0.0)
+    with pytest.raises(ValueError, match=r"^load_checkpoint: .*" + match):
+        load_checkpoint(ONE, path, rank_objects={"count": target}, verify=verify)
+
+
+def test_a_pickle_payload_in_a_per_rank_part_is_refused_without_running(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "ran"
+    path = save_checkpoint(ONE, tmp_path / "run", rank_extra={"n": 1})
+    _replace_part(path, {"objects": {}, "extra": {"n": _Payload(marker)}})
+    with pytest.raises(ValueError, match=r"rank_part_0\.pt cannot be read"):
+        load_checkpoint(ONE, path)
+    assert not marker.exists()
+
+
+def test_a_manifest_whose_rank_objects_lack_a_part_is_refused(tmp_path: Path) -> None:
+    path = save_checkpoint(ONE, tmp_path, rank_objects={"count": _Counter(1.0)})
+    _edit_manifest(path, lambda m: m.update(rank_part=False))
+    with pytest.raises(
+        ValueError, match=r"rank_objects must be \(\) when rank_part is False"
+    ):
+        read_checkpoint_meta(path)
+
+
 # --- pruning never follows links ----------------------------------------------------
 
 

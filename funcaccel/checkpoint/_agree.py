@@ -7,6 +7,7 @@ and ``_raise_failures`` let every rank raise when any rank failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,9 +122,7 @@ def _check_counts(
     ):
         if saved != passed:
             raise ValueError(_MSG_COUNTS.format(caller, root, label, saved, passed))
-    for name in _files_read(meta, objs):
-        if name not in meta.files:
-            fail_checkpoint(caller, _UNLISTED.format(root, name))
+    check_listed(meta, _files_read(meta, objs), root, caller)
     check_engine_format(
         meta.state_format, meta.world_size, objs.models, world, root, caller
     )
@@ -133,6 +132,15 @@ def _check_counts(
                 raise ValueError(
                     _MSG_WHOLE.format(caller=caller, root=root, index=index)
                 )
+
+
+def check_listed(
+    meta: CheckpointMeta, names: Sequence[str], root: Path, caller: str
+) -> None:
+    """Raise the damaged-checkpoint error unless the manifest lists every name."""
+    for name in names:
+        if name not in meta.files:
+            fail_checkpoint(caller, _UNLISTED.format(root, name))
 
 
 def _files_read(meta: CheckpointMeta, objs: _formats.StateObjects) -> list[str]:
@@ -155,15 +163,22 @@ def _read_checked(
     *,
     verify: bool,
     caller: str,
-) -> CheckpointMeta:
+    then: Callable[[CheckpointMeta], T],
+) -> tuple[CheckpointMeta, T]:
+    """Read and check the manifest, then run ``then`` on it; agreed across ranks.
+
+    ``then`` does this rank's checks and reads that only it needs (its per-rank
+    part), raising ``ValueError``: a failure on any rank raises on every rank,
+    before the collective DCP load can start.
+    """
     error: ValueError | None = None
-    meta: CheckpointMeta | None = None
+    outcome: tuple[CheckpointMeta, T] | None = None
     try:
         meta = read_manifest(root, verify=verify, caller=caller)
         _check_counts(meta, objs, root, caller, ctx.num_processes)
+        outcome = (meta, then(meta))
     except ValueError as failure:
         error = failure
-    # Every rank learns of any failure before the collective DCP load can start.
     _raise_any(ctx, error, f"{root} cannot be loaded", caller)
-    assert meta is not None
-    return meta
+    assert outcome is not None
+    return outcome

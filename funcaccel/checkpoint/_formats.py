@@ -18,7 +18,7 @@ value. Their tensors are stored in one of three formats, chosen by ``choose_form
   DCP would unpickle is vetted first (``_dcp_checks.py``): no pickled code runs.
 
 Schedulers, the scaler and other objects are always whole files from rank 0, and
-each rank writes its own RNG file. Every file is fsynced after writing.
+each rank writes its own RNG file and, when asked, its per-rank part. Every file is fsynced after writing.
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ __all__ = [
     "check_state_objects",
     "choose_format",
     "load_sharded",
+    "load_state",
     "load_state_file",
     "load_state_objects",
     "pair_optimizers",
+    "rank_part_name",
     "save_sharded",
     "state_files",
     "write_files",
@@ -83,7 +85,7 @@ __all__ = [
 StateFormat: TypeAlias = Literal["torch", "dcp", "deepspeed"]
 T = TypeVar("T")
 _MSG_KEY: Final = (
-    "{}: objects keys name files and must be letters, digits and '_'; got {!r}."
+    "{}: {} keys name files and must be letters, digits and '_'; got {!r}."
 )
 # caller, the optimizer's index, how many models
 _MSG_UNPAIRED: Final = (
@@ -114,6 +116,28 @@ class StateObjects:
     schedulers: tuple[Stateful, ...]
     scaler: torch.amp.GradScaler | None
     named: dict[str, Stateful]
+    rank_named: dict[str, Stateful] = dataclasses.field(default_factory=dict)
+    """Each rank's own objects (``rank_objects=``), saved in its per-rank part."""
+
+
+def _check_named(caller: str, name: str, objects: object) -> dict[str, Stateful]:
+    """Return a new dict of ``objects`` (a mapping or None) after checking it."""
+    mapping = check_type(
+        caller,
+        name,
+        objects,
+        Mapping,
+        what="a mapping of name to Stateful or None",
+        optional=True,
+    )
+    named = dict(mapping or {})
+    for key, value in named.items():
+        if not isinstance(key, str) or not key.replace("_", "").isalnum():
+            raise ValueError(_MSG_KEY.format(caller, name, key))
+        if not isinstance(value, Stateful):
+            what = "an object with state_dict()/load_state_dict()"
+            fail_type(caller, f"{name}[{key!r}]", value, what)
+    return named
 
 
 def check_state_objects(
@@ -124,6 +148,7 @@ def check_state_objects(
     schedulers: object,
     scaler: object,
     objects: object,
+    rank_objects: object = None,
 ) -> StateObjects:
     """Validate what ``caller`` was given (and its process group) into a record.
 
@@ -141,21 +166,8 @@ def check_state_objects(
         what="a torch.amp.GradScaler or None",
         optional=True,
     )
-    objects = check_type(
-        caller,
-        "objects",
-        objects,
-        Mapping,
-        what="a mapping of name to Stateful or None",
-        optional=True,
-    )
-    named = dict(objects or {})
-    for key, value in named.items():
-        if not isinstance(key, str) or not key.replace("_", "").isalnum():
-            raise ValueError(_MSG_KEY.format(caller, key))
-        if not isinstance(value, Stateful):
-            what = "an object with state_dict()/load_state_dict()"
-            fail_type(caller, f"objects[{key!r}]", value, what)
+    named = _check_named(caller, "objects", objects)
+    rank_named = _check_named(caller, "rank_objects", rank_objects)
     require_process_group(ctx, caller)
     record = StateObjects(
         _as_tuple(models, nn.Module, "an nn.Module", "models", caller),
@@ -175,6 +187,7 @@ def check_state_objects(
         ),
         scaler,
         named,
+        rank_named,
     )
     check_engine_objects(record.models, record.optimizers, caller)
     return record
@@ -377,18 +390,28 @@ def load_sharded(
 
 
 def state_files(
-    ctx: DistributedContext, objs: StateObjects, *, rng: bool, whole: bool
+    ctx: DistributedContext,
+    objs: StateObjects,
+    *,
+    rng: bool,
+    whole: bool,
+    rank_part: dict[str, object] | None = None,
 ) -> dict[str, object]:
     """Return this rank's files of a checkpoint as ``{name: state}``, not yet written.
 
-    Every rank has its RNG file (with ``rng``); rank 0 the schedulers, scaler and
-    named objects, and with ``whole`` the unwrapped models and the optimizers
-    (replicated under DDP, so one copy suffices). The states are the objects' own
-    ``state_dict()``s: their tensors are the live ones, not copies.
+    Every rank has its RNG file (with ``rng``) and, given ``rank_part`` (its
+    per-rank values), its ``rank_part_<r>.pt`` holding them with its
+    ``rank_objects``' states; rank 0 the schedulers, scaler and named objects, and
+    with ``whole`` the unwrapped models and the optimizers (replicated under DDP,
+    so one copy suffices). The states are the objects' own ``state_dict()``s:
+    their tensors are the live ones, not copies.
     """
     files: dict[str, object] = {}
     if rng:
         files[f"rng_rank_{ctx.process_index}.pt"] = capture_rng_state()
+    if rank_part is not None:
+        objects = {key: value.state_dict() for key, value in objs.rank_named.items()}
+        files[rank_part_name(ctx.process_index)] = {**rank_part, "objects": objects}
     if not ctx.is_main_process:
         return files
     if whole:
@@ -403,6 +426,15 @@ def state_files(
     for key, value in objs.named.items():
         files[f"object_{key}.pt"] = value.state_dict()
     return files
+
+
+def rank_part_name(rank: int) -> str:
+    """Return the file name of rank ``rank``'s per-rank part.
+
+    >>> rank_part_name(1)
+    'rank_part_1.pt'
+    """
+    return f"rank_part_{rank}.pt"
 
 
 def write_files(temporary: Path, files: Mapping[str, object]) -> dict[str, FileEntry]:
@@ -425,6 +457,17 @@ def load_state_file(target: Stateful, file: Path, what: str, caller: str) -> Non
         ValueError: the file is unreadable or its state does not fit ``target``.
     """
     state = _layout.read_torch_file(file, caller=caller)
+    load_state(target, state, file, what, caller)
+
+
+def load_state(
+    target: Stateful, state: object, file: Path, what: str, caller: str
+) -> None:
+    """Load ``target`` in place from ``state``, read from ``file``; errors name both.
+
+    Raises:
+        ValueError: the state does not fit ``target``.
+    """
     try:
         target.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:

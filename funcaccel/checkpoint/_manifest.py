@@ -183,6 +183,9 @@ class CheckpointMeta:
         scaler: whether a grad scaler was saved.
         objects: names of the other ``Stateful`` objects saved.
         rng: whether every rank's RNG states were saved.
+        rank_part: whether every rank saved its own part
+            (``rank_part_<r>.pt``: ``rank_objects`` and ``rank_extra``).
+        rank_objects: names of the per-rank ``Stateful`` objects in each part.
         grad: the saved ``GradState``, or ``None``.
         loader: the saved ``LoaderState``, or ``None``.
         extra: user metadata (JSON values; copied).
@@ -203,6 +206,8 @@ class CheckpointMeta:
     scaler: bool = False
     objects: tuple[str, ...] = ()
     rng: bool = False
+    rank_part: bool = False
+    rank_objects: tuple[str, ...] = ()
     grad: GradState | None = None
     loader: LoaderState | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -222,8 +227,13 @@ class CheckpointMeta:
         check_choice(owner, "state_format", self.state_format, _STATE_FORMATS)
         check_bool(owner, "scaler", self.scaler)
         check_bool(owner, "rng", self.rng)
-        if not _all_of(self.objects, tuple, str):
-            fail_type(owner, "objects", self.objects, "a tuple of str")
+        check_bool(owner, "rank_part", self.rank_part)
+        for name in ("objects", "rank_objects"):
+            if not _all_of(getattr(self, name), tuple, str):
+                fail_type(owner, name, getattr(self, name), "a tuple of str")
+        if self.rank_objects and not self.rank_part:
+            what = "() when rank_part is False (no rank saved a part)"
+            fail_value(owner, "rank_objects", self.rank_objects, what)
         check_type(owner, "grad", self.grad, GradState, optional=True)
         check_type(owner, "loader", self.loader, LoaderState, optional=True)
         object.__setattr__(self, "extra", check_json_value(self.extra, "extra", owner))
@@ -238,7 +248,16 @@ class CheckpointMeta:
         object.__setattr__(self, "files", dict(self.files))
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the manifest as a new JSON-serialisable dict."""
+        """Return the manifest as a new JSON-serialisable dict.
+
+        The per-rank keys (``rank_part``, ``rank_objects``) are written only when
+        the ranks saved parts, so a manifest without them reads as before, and a
+        funcaccel too old to load the parts refuses the keys instead of ignoring
+        them.
+        """
+        per_rank: dict[str, Any] = {}
+        if self.rank_part:
+            per_rank = {"rank_part": True, "rank_objects": list(self.rank_objects)}
         return {
             "format": _FORMAT_TAG,
             "schema_version": self.schema_version,
@@ -250,6 +269,7 @@ class CheckpointMeta:
             "scaler": self.scaler,
             "objects": list(self.objects),
             "rng": self.rng,
+            **per_rank,
             "grad": None if self.grad is None else self.grad.to_dict(),
             "loader": None if self.loader is None else self.loader.to_dict(),
             "extra": check_json_value(self.extra, "extra", "CheckpointMeta.to_dict"),
@@ -271,8 +291,10 @@ class CheckpointMeta:
             raise ValueError(_NOT_A_MANIFEST)
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(_OTHER_SCHEMA.format(data.get("schema_version")))
+        optional = set(cls(world_size=1, rank_part=True).to_dict())
         expected = set(cls(world_size=1).to_dict())
-        missing, unknown = sorted(expected - set(data)), sorted(set(data) - expected)
+        missing = sorted(expected - set(data))
+        unknown = sorted(set(data) - optional)
         if missing or unknown:
             msg = f"{_FROM_DICT}: missing keys {missing}, unknown keys {unknown}."
             raise ValueError(msg)
@@ -287,6 +309,10 @@ class CheckpointMeta:
             scaler=_field(data, "scaler", bool),
             objects=tuple(_field(data, "objects", list)),
             rng=_field(data, "rng", bool),
+            rank_part=_field(data, "rank_part", bool) if "rank_part" in data else False,
+            rank_objects=tuple(_field(data, "rank_objects", list))
+            if "rank_objects" in data
+            else (),
             grad=None
             if grad is None
             else GradState.from_dict(_field(data, "grad", dict)),

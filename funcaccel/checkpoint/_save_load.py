@@ -22,6 +22,7 @@ Layout of one checkpoint (``"torch"`` format: one process or DDP)::
     model_0.pt optimizer_0.pt  rank 0 writes the unwrapped models and the optimizers
     scheduler_0.pt scaler.pt object_<name>.pt
     rng_rank_0.pt rng_rank_1.pt ...   each rank writes its own RNG states
+    rank_part_0.pt rank_part_1.pt ... each rank its rank_objects and rank_extra
 
 With sharded models (FSDP2, or ``DTensor`` parameters on a mesh: ``"dcp"`` format)
 models and optimizers live in ``dcp/`` instead, sharded by
@@ -64,6 +65,7 @@ import torch
 from torch import nn
 
 from funcaccel._checks import check_bool
+from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
 from funcaccel._guard import guard_collective
@@ -73,6 +75,7 @@ from funcaccel.checkpoint._agree import _all_gather
 from funcaccel.checkpoint._agree import _check_save_values
 from funcaccel.checkpoint._agree import _raise_failures
 from funcaccel.checkpoint._agree import _read_checked
+from funcaccel.checkpoint._agree import check_listed
 from funcaccel.checkpoint._async import DeferredCopy
 from funcaccel.checkpoint._async import PendingCheckpoint
 from funcaccel.checkpoint._async import optimizer_storages
@@ -90,6 +93,14 @@ from funcaccel.checkpoint._manifest import CheckpointMeta
 from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._manifest import check_json_value
 from funcaccel.checkpoint._manifest import read_manifest
+from funcaccel.checkpoint._rank_part import RankMap
+from funcaccel.checkpoint._rank_part import check_rank_extra
+from funcaccel.checkpoint._rank_part import check_rank_map
+from funcaccel.checkpoint._rank_part import check_rank_names
+from funcaccel.checkpoint._rank_part import choose_source
+from funcaccel.checkpoint._rank_part import load_rank_part
+from funcaccel.checkpoint._rank_part import rank_files_read
+from funcaccel.checkpoint._resume_grad import resume_grad
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
@@ -120,16 +131,21 @@ class LoadedState:
         meta: its manifest (counts, saved world size, files, values).
         rng_restored: this rank's generators restored from the checkpoint; empty
             with ``restore_rng=False`` or when no rank of that index saved any.
+        grad: the ``GradState`` to resume with: the saved one (its window closed),
+            with the ``accumulation_steps`` passed to ``load_checkpoint`` if any;
+            ``None`` when none was saved.
+        rank_part: the saving rank whose per-rank part this rank loaded, or
+            ``None`` (no part saved, or ``rank_map`` gave this rank none).
+        rank_extra: that part's ``rank_extra`` values (tensors on the CPU), or
+            ``None``.
     """
 
     path: Path
     meta: CheckpointMeta
     rng_restored: tuple[str, ...]
-
-    @property
-    def grad(self) -> GradState | None:
-        """The saved ``GradState`` (its window closed), or ``None``."""
-        return self.meta.grad
+    grad: GradState | None = None
+    rank_part: int | None = None
+    rank_extra: dict[str, Any] | None = None
 
     @property
     def loader(self) -> LoaderState | None:
@@ -165,6 +181,8 @@ _USE_ASYNC: Final = (
     "returns a PendingCheckpoint."
 )
 
+_Resumed = tuple[GradState | None, int | None, dict[str, Any] | None]
+"""What a load resolves per rank: the GradState, the part's saved rank, its extra."""
 _Sharded = Callable[[], str | None]
 """The completion of the sharded (DCP) part: waits, returns an error or None."""
 
@@ -180,6 +198,7 @@ class _Save:
     fields: dict[str, Any]  # the manifest's values: CheckpointMeta but its files
     keep_last: int | None
     caller: str
+    rank_part: dict[str, object] | None  # this rank's part's values, if saved
 
     @property
     def temporary(self) -> Path:
@@ -195,6 +214,8 @@ def save_checkpoint(
     schedulers: Stateful | Sequence[Stateful] = (),
     scaler: torch.amp.GradScaler | None = None,
     objects: Mapping[str, Stateful] | None = None,
+    rank_objects: Mapping[str, Stateful] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
     grad: GradState | None = None,
     loader: LoaderState | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -221,6 +242,10 @@ def save_checkpoint(
         schedulers: LR schedulers, or anything with ``state_dict``.
         scaler: the fp16 grad scaler, if any.
         objects: other ``Stateful`` objects by name; rank 0's state is saved.
+        rank_objects: ``Stateful`` objects by name whose state every rank saves
+            into its own part (``rank_part_<r>.pt``), loaded back by the same rank.
+        rank_extra: this rank's values for its part: tensors and plain values
+            (str, int, float, bool, None, list, tuple, dict with str keys).
         grad: the ``GradState``; its window must be closed (``micro_step == 0``).
         loader: the ``LoaderState`` to resume from (the last ``batch.state``).
         extra: JSON values (str, int, finite float, bool, None, list, dict).
@@ -244,10 +269,11 @@ def save_checkpoint(
     if asynchronous is not False:
         fail_value(caller, "asynchronous", asynchronous, "False", _USE_ASYNC)
     objs = _formats.check_state_objects(
-        ctx, caller, models, optimizers, schedulers, scaler, objects
+        ctx, caller, models, optimizers, schedulers, scaler, objects, rank_objects
     )
     fields = _check_fields(ctx, objs, caller, grad, loader, extra, keep_last, save_rng)
-    save, _ = _open(ctx, directory, objs, fields, keep_last, pending, caller)
+    part = _rank_part(caller, objs, rank_extra, fields)
+    save, _ = _open(ctx, directory, objs, fields, keep_last, pending, caller, part)
     _write_together(save, asynchronous=False)  # written when it returns
     files, error = _collect(save)
     entries: dict[str, FileEntry] = {}
@@ -268,6 +294,8 @@ def save_checkpoint_async(
     schedulers: Stateful | Sequence[Stateful] = (),
     scaler: torch.amp.GradScaler | None = None,
     objects: Mapping[str, Stateful] | None = None,
+    rank_objects: Mapping[str, Stateful] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
     grad: GradState | None = None,
     loader: LoaderState | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -299,8 +327,9 @@ def save_checkpoint_async(
     docs/checkpoint.md#asynchronous-checkpoints.
 
     Args:
-        ctx, directory, models, optimizers, schedulers, scaler, objects, grad,
-            loader, extra, keep_last, save_rng: as for ``save_checkpoint``.
+        ctx, directory, models, optimizers, schedulers, scaler, objects,
+            rank_objects, rank_extra, grad, loader, extra, keep_last, save_rng:
+            as for ``save_checkpoint``.
         pending: the previous handle, completed first; its CPU copy's memory is
             reused when the state has the same tensors' storages and sizes.
 
@@ -313,10 +342,13 @@ def save_checkpoint_async(
     """
     caller = "save_checkpoint_async"
     objs = _formats.check_state_objects(
-        ctx, caller, models, optimizers, schedulers, scaler, objects
+        ctx, caller, models, optimizers, schedulers, scaler, objects, rank_objects
     )
     fields = _check_fields(ctx, objs, caller, grad, loader, extra, keep_last, save_rng)
-    save, reusable = _open(ctx, directory, objs, fields, keep_last, pending, caller)
+    part = _rank_part(caller, objs, rank_extra, fields)
+    save, reusable = _open(
+        ctx, directory, objs, fields, keep_last, pending, caller, part
+    )
     sharded = _write_together(save, asynchronous=True)
     files, error = _collect(save)
     return _write_behind(save, files, error, reusable, sharded)
@@ -353,6 +385,23 @@ def _check_fields(
     }
 
 
+def _rank_part(
+    caller: str,
+    objs: _formats.StateObjects,
+    rank_extra: object,
+    fields: dict[str, Any],
+) -> dict[str, object] | None:
+    """Return this rank's part's values (``None``: no part); record it in ``fields``.
+
+    A part is saved when ``rank_objects`` is not empty or ``rank_extra`` is given.
+    """
+    extra = check_rank_extra(caller, rank_extra)
+    saved = bool(objs.rank_named) or extra is not None
+    fields["rank_part"] = saved
+    fields["rank_objects"] = tuple(objs.rank_named)
+    return {"extra": extra} if saved else None
+
+
 def _open(
     ctx: DistributedContext,
     directory: str | os.PathLike[str],
@@ -361,6 +410,7 @@ def _open(
     keep_last: int | None,
     pending: object,
     caller: str,
+    rank_part: dict[str, object] | None,
 ) -> tuple[_Save, tuple[torch.UntypedStorage, ...]]:
     """Complete ``pending``, then take the next number on rank 0 (collective).
 
@@ -385,6 +435,7 @@ def _open(
         fields=fields,
         keep_last=keep_last,
         caller=caller,
+        rank_part=rank_part,
     )
     return save, reusable
 
@@ -429,7 +480,11 @@ def _collect(save: _Save) -> tuple[dict[str, object], str | None]:
     whole = save.fields["state_format"] == "torch"
     try:
         files = _formats.state_files(
-            save.ctx, save.objs, rng=save.fields["rng"], whole=whole
+            save.ctx,
+            save.objs,
+            rng=save.fields["rng"],
+            whole=whole,
+            rank_part=save.rank_part,
         )
     except (OSError, RuntimeError) as failure:
         return {}, f"writing into {save.temporary} failed: {failure}"
@@ -523,6 +578,9 @@ def load_checkpoint(
     schedulers: Stateful | Sequence[Stateful] = (),
     scaler: torch.amp.GradScaler | None = None,
     objects: Mapping[str, Stateful] | None = None,
+    rank_objects: Mapping[str, Stateful] | None = None,
+    rank_map: RankMap | None = None,
+    accumulation_steps: int | None = None,
     restore_rng: bool = True,
     verify: bool = True,
 ) -> LoadedState:
@@ -535,32 +593,66 @@ def load_checkpoint(
     and 3 loading processes, rank 2 keeps its own (``rng_restored`` is empty).
     Collective: every rank calls it (the ranks agree the checkpoint is readable).
 
+    A checkpoint with a per-rank part (``rank_objects=``/``rank_extra=`` at the
+    save) gives rank ``r`` the part rank ``r`` saved; on another world size it is
+    refused unless ``rank_map`` says which part each rank takes.
+
     Args:
         ctx: the distributed context.
         path: a checkpoint directory, e.g. ``latest_checkpoint(directory)``.
         models, optimizers, schedulers, scaler, objects: loaded in place.
+        rank_objects: loaded in place from this rank's part; the names saved.
+        rank_map: which saved rank's part each rank loads: ``None`` (the same
+            world size: its own), ``"drop"`` (none), or a sequence with one saved
+            rank or ``None`` per loading rank (``[0, 1, None]`` on 3 ranks).
+        accumulation_steps: the accumulation this run uses; when it differs from
+            the saved ``GradState``'s (at a window boundary) ``loaded.grad``
+            takes it. ``None`` keeps the saved one.
         restore_rng: restore this rank's RNG states.
         verify: check the SHA-256 of every hashed file before loading.
 
     Returns:
-        A ``LoadedState`` with the ``GradState``, ``LoaderState`` and ``extra``.
+        A ``LoadedState`` with the ``GradState``, ``LoaderState``, ``extra`` and
+        this rank's ``rank_extra``.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: an incomplete, damaged or other-schema checkpoint, or objects
-            that do not match it; the message names the file.
+        ValueError: an incomplete, damaged or other-schema checkpoint, objects
+            that do not match it (the message names the file), a per-rank part
+            on another world size without ``rank_map``, or another
+            ``accumulation_steps`` inside an open window.
         RuntimeError: another rank failed to read it, no matching group, or (with
             ``ctx.collective_timeout``) a rank that did not call it in time.
     """
     caller = "load_checkpoint"
     objs = _formats.check_state_objects(
-        ctx, caller, models, optimizers, schedulers, scaler, objects
+        ctx, caller, models, optimizers, schedulers, scaler, objects, rank_objects
     )
+    mapping = check_rank_map(caller, rank_map)
+    if accumulation_steps is not None:
+        check_int(caller, "accumulation_steps", accumulation_steps, 1)
     check_bool(caller, "restore_rng", restore_rng)
     check_bool(caller, "verify", verify)
     root = Path(path)
     guard_collective(ctx, caller)
-    meta = _read_checked(ctx, root, objs, verify=verify, caller=caller)
+
+    def resume(meta: CheckpointMeta) -> _Resumed:
+        grad = resume_grad(meta.grad, accumulation_steps, root=root, caller=caller)
+        source = None
+        if meta.rank_part:
+            saved, world = meta.world_size, ctx.num_processes
+            rank = ctx.process_index
+            source = choose_source(saved, world, mapping, rank=rank, caller=caller)
+        check_rank_names(meta, list(objs.rank_named), source, root, caller)
+        check_listed(meta, rank_files_read(meta, source), root, caller)
+        extra = None
+        if source is not None:
+            extra = load_rank_part(root, source, meta, objs.rank_named, caller)
+        return grad, source, extra
+
+    meta, (grad, source, rank_extra) = _read_checked(
+        ctx, root, objs, verify=verify, caller=caller, then=resume
+    )
     _formats.load_state_objects(
         ctx, root, objs, state_format=meta.state_format, files=meta.files, caller=caller
     )
@@ -572,4 +664,11 @@ def load_checkpoint(
             msg = f"{caller}: {root / rng_file} does not hold an RNG state dict; the file is damaged."
             raise ValueError(msg)
         restored = restore_rng_state(state, caller=caller)
-    return LoadedState(path=root, meta=meta, rng_restored=restored)
+    return LoadedState(
+        path=root,
+        meta=meta,
+        rng_restored=restored,
+        grad=grad,
+        rank_part=source,
+        rank_extra=rank_extra,
+    )
