@@ -20,6 +20,7 @@ from funcaccel.loader import LoaderState
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from funcaccel.loader._draws import plan_draws
+from funcaccel.testing import run_ranks
 from tests.fixtures import Indexed
 from tests.fixtures import SizedStream
 from tests.fixtures import rank_ctx
@@ -185,3 +186,33 @@ def test_draw_counts(
         kind=kind, processes=processes, dispatch=dispatch, persistent_workers=persistent
     )
     assert (draws.when_built, draws.first_epoch, draws.later_epochs) == expected
+
+
+def _dispatch_worker(ctx: Any) -> list[list[int]]:
+    torch.manual_seed(10 + ctx.process_index)  # different streams per rank
+    loader = shard_loader(
+        ctx,
+        DataLoader(Indexed(8), batch_size=2, shuffle=True),
+        dispatch_batches=True,
+        rng_types=("torch",),
+    )
+    states = []
+    for _ in range(2):
+        for _ in loader:
+            pass
+        states.append(torch.get_rng_state().tolist())
+    return states
+
+
+@pytest.mark.distributed
+def test_dispatching_ranks_draw_rank_0s_count_and_stay_in_step() -> None:
+    rank0, rank1 = run_ranks(_dispatch_worker, 2, start_method="forkserver")
+    assert rank0 == rank1
+    # Rank 0's stream: synchronised to itself, then 2 draws per epoch start.
+    torch.manual_seed(10)
+    expected = []
+    for _ in range(2):
+        for _ in range(2):
+            torch.empty((), dtype=torch.int64).random_()
+        expected.append(torch.get_rng_state().tolist())
+    assert rank0 == expected

@@ -205,6 +205,9 @@ def shard_loader(
     ``e`` is drawn from ``seed + e``, the same on every rank and world size, so
     a run resumes on another world size. ``dataloader``, its sampler and
     ``rng_types`` are left unchanged; one process yields the original batches.
+    Torch's global generator is drawn from as by Accelerate's prepared loader
+    (here and at each epoch start; not in a resumed epoch, unlike Accelerate):
+    docs/loader.md#draws-from-torchs-global-generator.
 
     With 2 ranks, 10 samples and ``batch_size=3``: rank 0 yields [0,1,2] [6,7,8],
     rank 1 yields [3,4,5] [9,0,1] (looped back). Sharding needs no process
@@ -292,7 +295,10 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
     so a state saved on another world size continues the same global order. For
     map-style data skipped batches are indices only: nothing is read. The loader
     reads one batch ahead, so ``is_last`` is already true on the last batch. The
-    skip applies to this call only. ``loader`` is left unchanged.
+    skip applies to this call only. ``loader`` is left unchanged. A resumed
+    epoch draws nothing from torch's global generator (its start drew before the
+    state was saved); an epoch started from its beginning draws what a
+    ``DataLoader`` does: docs/loader.md#draws-from-torchs-global-generator.
 
     With 2 ranks, 10 samples and ``batch_size=2`` (``G = 4``), rank 0 yields
     [0,1] [4,5] [8,9] and rank 1 [2,3] [6,7] [0,1]; the first records' ``state``
