@@ -10,6 +10,7 @@ mistyped in the docs) fails until both agree again.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from collections.abc import Callable
@@ -158,6 +159,28 @@ def _truncated(tmp_path: Path) -> object:
     model_file = path / "model_0.pt"
     model_file.write_bytes(model_file.read_bytes() + b"x")
     return fa.load_checkpoint(ONE, path, models=nn.Linear(2, 2))
+
+
+def _edit_manifest(path: Path, **fields: Any) -> None:
+    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            manifest[key].update(value)
+        else:
+            manifest[key] = value
+    (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+
+
+def _part_on_other_world(tmp_path: Path) -> object:
+    path = _saved(tmp_path, rank_extra={"n": 1})
+    _edit_manifest(path, world_size=2)  # as if 2 ranks had saved it
+    return fa.load_checkpoint(ONE, path, models=nn.Linear(2, 2))
+
+
+def _open_window_other_k(tmp_path: Path) -> object:
+    path = _saved(tmp_path, grad=GradState(accumulation_steps=2))
+    _edit_manifest(path, grad={"micro_step": 1, "sync_gradients": False})
+    return fa.load_checkpoint(ONE, path, models=nn.Linear(2, 2), accumulation_steps=4)
 
 
 def _unsharded_into_fsdp(tmp_path: Path) -> object:
@@ -443,6 +466,17 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "earlier one (see list_checkpoints).": _truncated,
     "ValueError: load_checkpoint: ... holds whole (unsharded) state dicts, but "
     "models[0] is sharded by FSDP2; ...": _unsharded_into_fsdp,
+    "ValueError: load_checkpoint: the checkpoint holds a per-rank part "
+    "(rank_objects, rank_extra) from each rank of world size 2, but this load runs "
+    "on world size 1, ...": _part_on_other_world,
+    "ValueError: load_checkpoint: ... holds rank_objects=['data'], but "
+    "rank_objects=[] was passed; pass the same rank_objects as when it was "
+    "saved.": lambda t: fa.load_checkpoint(
+        ONE, _saved(t, rank_objects={"data": _sgd()}), models=nn.Linear(2, 2)
+    ),
+    "ValueError: load_checkpoint: ... holds a GradState inside an accumulation "
+    "window (micro_step=1 of accumulation_steps=2), so accumulation_steps=4 cannot "
+    "take over: ...": _open_window_other_k,
     "ValueError: latest_checkpoint: ckpt/latest names 'checkpoint-000003', which is "
     "not a complete checkpoint in ckpt; ...": _stale_latest,
     "RuntimeError: save_checkpoint: the checkpoint was not written (the previous one "

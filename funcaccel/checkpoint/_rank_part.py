@@ -61,9 +61,9 @@ _PLAIN: Final = (
 )
 # caller, saved world size, loading world size
 _MSG_OTHER_WORLD: Final = (
-    "{0}: the checkpoint holds a per-rank part from each of its {1} saving ranks "
-    "(rank_objects, rank_extra), but {2} processes load it, so a part's rank "
-    "means another process now; pass rank_map='drop' to load no part (each rank "
+    "{0}: the checkpoint holds a per-rank part (rank_objects, rank_extra) from each "
+    "rank of world size {1}, but this load runs on world size {2}, where a part's "
+    "rank is another process; pass rank_map='drop' to load no part (each rank "
     "keeps its own state), or rank_map=[...] with one saved rank (or None) per "
     "loading rank, e.g. rank_map={3!r}."
 )
@@ -151,7 +151,7 @@ def choose_source(
     >>> choose_source(2, 1, None, rank=0, caller="f")
     Traceback (most recent call last):
     ...
-    ValueError: f: the checkpoint holds a per-rank part from each of its 2 saving ranks ...
+    ValueError: f: the checkpoint holds a per-rank part (rank_objects, rank_extra) from ...
     """
     if rank_map is None:
         if saved != world:
@@ -166,7 +166,7 @@ def choose_source(
     for entry in rank_map:
         if entry is not None and not 0 <= entry < saved:
             what = f"saved ranks in [0, {saved}) or None"
-            hint = f"The checkpoint was saved by {saved} processes."
+            hint = f"The checkpoint was saved on world size {saved}."
             fail_value(caller, "rank_map", list(rank_map), what, hint)
     return rank_map[rank]
 
