@@ -3,7 +3,10 @@
 ``_save_load.py`` holds the public functions; ``_layout.py`` where checkpoints lie and
 how one becomes complete atomically; ``_manifest.py`` what a checkpoint holds;
 ``_formats.py`` how torch objects reach the disk (one file per object, or
-torch.distributed.checkpoint for FSDP2); ``_agree.py`` the checks ranks agree on.
+torch.distributed.checkpoint for FSDP2); ``_agree.py`` the checks ranks agree on;
+``_rank_part.py`` each rank's own part (``rank_objects``, ``rank_extra``,
+``rank_map``); ``_resume_grad.py`` the ``GradState`` a resumed run continues with
+(``accumulation_steps=``).
 """
 
 from __future__ import annotations
