@@ -153,8 +153,9 @@ def _check_step_args(
     if not callable(loss_fn):
         what = "a callable taking no argument and returning the micro-batch loss"
         fail_type(caller, "loss_fn", loss_fn, what)
-    hint = "Pass batch.is_last."
-    check_type(caller, "end_of_dataloader", end_of_dataloader, bool, hint=hint)
+    if type(end_of_dataloader) is not bool:  # the checks' calls only when needed
+        hint = "Pass batch.is_last."
+        check_type(caller, "end_of_dataloader", end_of_dataloader, bool, hint=hint)
     if scaler is not None:
         check_scaler(caller, scaler)
     elif ctx.mixed_precision == "fp16":
@@ -163,9 +164,8 @@ def _check_step_args(
         fail_value(caller, "scaler", scaler, what, hint)
     if max_grad_norm is not None:
         check_norm(caller, "max_grad_norm", max_grad_norm)
-    check_type(
-        caller, "autocast_kwargs", autocast_kwargs, AutocastKwargs, optional=True
-    )
+    if autocast_kwargs is not None:
+        check_type(caller, "autocast_kwargs", autocast_kwargs, AutocastKwargs)
 
 
 def _forward_backward(

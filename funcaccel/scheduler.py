@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Final
 from typing import Literal
 from typing import SupportsFloat
+from typing import cast
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -146,17 +147,18 @@ def _per_update(
         fail_value(caller, "split_batches", split_batches, _REPLACED, _SPLIT_FIX)
     split = False
     if loader is not None:
-        what = "the ShardedLoader shard_loader returned"
-        hint = "Without one, pass schedule_counts='updates' or 'batches' instead."
-        split = check_type(
-            caller, "loader", loader, ShardedLoader, what=what, hint=hint
-        ).split_batches
+        if type(loader) is not ShardedLoader:  # the check itself only when needed
+            what = "the ShardedLoader shard_loader returned"
+            hint = "Without one, pass schedule_counts='updates' or 'batches' instead."
+            check_type(caller, "loader", loader, ShardedLoader, what=what, hint=hint)
+        split = cast("ShardedLoader", loader).split_batches
     if schedule_counts is None:
         if loader is None and step_with_optimizer:
             raise ValueError(_MSG_NEITHER.format(caller=caller, p=ctx.num_processes))
         schedule_counts = "batches"
-    counts = check_choice(caller, "schedule_counts", schedule_counts, _COUNTS)
-    return 1 if counts == "updates" or split else ctx.num_processes
+    elif type(schedule_counts) is not str or schedule_counts not in _COUNTS:
+        check_choice(caller, "schedule_counts", schedule_counts, _COUNTS)
+    return 1 if schedule_counts == "updates" or split else ctx.num_processes
 
 
 def _check_args(
@@ -259,19 +261,9 @@ def maybe_step_scheduler(
         _check_scheduler(scheduler, plateau, metrics)
     if plateau:
         _check_metrics(metrics)
-    # The usual calls, decided without a function call (this runs per micro-step).
-    if split_batches is None and schedule_counts == "updates" and loader is None:
-        per_update = 1
-    elif (
-        split_batches is None
-        and schedule_counts is None
-        and type(loader) is ShardedLoader
-    ):
-        per_update = 1 if loader.split_batches else ctx.num_processes
-    else:
-        per_update = _per_update(
-            ctx, loader, schedule_counts, split_batches, step_with_optimizer, _CALLER
-        )
+    per_update = _per_update(
+        ctx, loader, schedule_counts, split_batches, step_with_optimizer, _CALLER
+    )
     due = _due(grad, per_update, step_with_optimizer)
     stepped = 0
     while stepped < due and _has_steps_left(scheduler):
