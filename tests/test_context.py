@@ -349,6 +349,186 @@ def test_context_from_env_puts_each_local_rank_on_its_gpu() -> None:
     assert ctx.distributed_type is DistributedType.MULTI_GPU and ctx.backend == "nccl"
 
 
+# ---- device= ----------------------------------------------------------------
+
+_LOCAL_PAIR = {
+    "WORLD_SIZE": "4",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+}
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """Pretend CUDA has 2 visible GPUs; return the devices set as current."""
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    return current
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0), lambda rank: "cpu"],
+)
+def test_an_explicit_cpu_device_is_the_cpu(device: Any) -> None:
+    assert context_from_env({}, device=device) == DistributedContext()
+    assert build_context(environ={}, device=device) == DistributedContext()
+    ctx = context_from_env(_LOCAL_PAIR, device=device, cpu=True)
+    assert ctx.device == torch.device("cpu") and ctx.device.index is None
+    assert ctx.distributed_type is DistributedType.MULTI_CPU
+    assert ctx.backend == "gloo"
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_cuda_is_refused_where_it_is_not_available() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^context_from_env: device must be a device this machine has: 'cpu' "
+        r"\(torch\.cuda\.is_available\(\) is False\); got 'cuda:1'\. Pass "
+        r"device='cpu', or run where a CUDA GPU is visible\.$",
+    ):
+        context_from_env({}, device="cuda:1")
+    with pytest.raises(ValueError, match=r"^build_context: device must be a device"):
+        build_context(environ={}, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"^build_context: device\(1\) must be a dev"):
+        build_context(environ=_LOCAL_PAIR, device=lambda rank: f"cuda:{rank}")
+    assert not dist.is_initialized()
+
+
+def test_the_named_gpu_is_used_and_made_current(two_gpus: list[torch.device]) -> None:
+    ctx = build_context(environ={}, device="cuda:1")
+    assert ctx.device == torch.device("cuda", 1)
+    assert ctx.distributed_type is DistributedType.NO and ctx.backend is None
+    assert two_gpus == [torch.device("cuda", 1)]
+    assert context_from_env({}).device == torch.device("cuda", 0)  # the default
+    assert build_context(environ={}).device == torch.device("cuda", 0)
+    assert two_gpus == [torch.device("cuda", 1)]  # the default sets nothing
+    # "cuda" without an index is the default rule's GPU: LOCAL_RANK % 2.
+    environ = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3"}
+    ctx = context_from_env(environ, device="cuda")
+    assert ctx.device == torch.device("cuda", 1)
+    assert ctx.distributed_type is DistributedType.MULTI_GPU and ctx.backend == "nccl"
+
+
+@pytest.mark.usefixtures("two_gpus")
+@pytest.mark.parametrize("device", ["cuda:2", torch.device("cuda", 7)])
+def test_a_gpu_index_beyond_the_visible_ones_is_refused(device: Any) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^context_from_env: device must be one of the 2 visible GPU\(s\), "
+        r"cuda:0 to cuda:1; got .*cuda.*\. CUDA_VISIBLE_DEVICES renumbers the GPUs "
+        r"a process sees from 0\.$",
+    ):
+        context_from_env({}, device=device)
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_a_rule_gives_each_local_rank_its_device() -> None:
+    asked: list[int] = []
+
+    def rule(local_rank: int) -> str:
+        asked.append(local_rank)
+        return f"cuda:{1 - local_rank}"
+
+    ctx = context_from_env(_LOCAL_PAIR, device=rule)
+    assert ctx.device == torch.device("cuda", 0)  # LOCAL_RANK=1
+    assert (ctx.process_index, ctx.local_process_index) == (3, 1)
+    assert ctx.distributed_type is DistributedType.MULTI_GPU and ctx.backend == "nccl"
+    assert asked[0] == 1 and sorted(asked[1:]) == [0, 1]  # then every local rank
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_local_ranks_sharing_a_gpu_under_nccl_are_refused() -> None:
+    message = (
+        r"^build_context: device \(by local rank\) must be a different GPU for each "
+        r"of the 2 processes on this machine with the NCCL backend; got \['cuda:1', "
+        r"'cuda:1'\]\. Pass a rule by local rank, e\.g\. device=lambda local_rank: "
+        r"f'cuda:\{local_rank\}', or InitProcessGroupKwargs\(backend='gloo'\) to "
+        r"share a GPU\.$"
+    )
+    with pytest.raises(ValueError, match=message):
+        build_context(environ=_LOCAL_PAIR, device="cuda:1")
+    with pytest.raises(ValueError, match=r"got \['cuda:0', 'cuda:0'\]"):
+        context_from_env(_LOCAL_PAIR, device=lambda rank: "cuda:0")
+    gloo = InitProcessGroupKwargs(backend="gloo")
+    shared = context_from_env(_LOCAL_PAIR, device="cuda:1", init_kwargs=gloo)
+    assert shared.device == torch.device("cuda", 1) and shared.backend == "gloo"
+    # Without LOCAL_WORLD_SIZE the other local ranks are unknown: only this one is
+    # checked.
+    alone = {k: v for k, v in _LOCAL_PAIR.items() if k != "LOCAL_WORLD_SIZE"}
+    assert context_from_env(alone, device="cuda:1").device == torch.device("cuda", 1)
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_local_ranks_on_different_kinds_of_device_are_refused() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^context_from_env: device \(by local rank\) must be of one type on "
+        r"every process of this machine; got \['cpu', 'cuda:1'\]\. Pass a rule by "
+        r"local rank, .* that returns one kind of device\.$",
+    ):
+        context_from_env(
+            _LOCAL_PAIR, device=lambda rank: "cpu" if rank == 0 else "cuda:1"
+        )
+
+
+@pytest.mark.usefixtures("two_gpus")
+def test_a_gpu_with_cpu_true_is_refused_naming_both() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^build_context: device must be a CPU device when cpu=True; got "
+        r"'cuda:1'\. Pass cpu=True without a device, or device='cuda:1' without "
+        r"cpu=True\.$",
+    ):
+        build_context(environ={}, device="cuda:1", cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "message"),
+    [
+        (
+            "gpu",
+            ValueError,
+            r"device must be a device such as 'cpu', 'cuda' or "
+            r"'cuda:1', a torch\.device, or a rule local_rank -> device; got 'gpu'\.$",
+        ),
+        ("cuda:x", ValueError, r"device must be a device such as .*; got 'cuda:x'\.$"),
+        (
+            "cpu:1",
+            ValueError,
+            r"device must be the CPU: 'cpu' or 'cpu:0'; got "
+            r"'cpu:1'\. Pass 'cpu'\.$",
+        ),
+        (
+            "mps",
+            ValueError,
+            r"device must be a 'cpu' or 'cuda' device; got 'mps'\. "
+            r"funcaccel computes on the CPU or on CUDA GPUs\.$",
+        ),
+        (3, TypeError, r"device must be a device such as .*; got 3 \(int\)\.$"),
+        (
+            lambda rank: 0,
+            TypeError,
+            r"device\(0\) must be a device such as .*; got 0 "
+            r"\(int\)\.$",
+        ),
+    ],
+)
+def test_a_bad_device_is_refused(
+    device: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=r"^context_from_env: " + message):
+        context_from_env({}, device=device)
+
+
 def test_effective_backend_and_timeout_follow_the_device() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     default = InitProcessGroupKwargs()

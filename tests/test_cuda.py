@@ -361,6 +361,19 @@ def test_find_executable_batch_size_empties_the_cuda_cache_before_a_retry() -> N
         assert before_retry <= cached - block
 
 
+def test_build_context_puts_one_process_on_the_gpu_it_names() -> None:
+    count, before = torch.cuda.device_count(), torch.cuda.current_device()
+    last = torch.device("cuda", count - 1)
+    try:
+        ctx = build_context(environ={}, device=f"cuda:{count - 1}")
+        assert ctx.device == last and torch.cuda.current_device() == count - 1
+        assert torch.ones(1, device=ctx.device).device == last
+    finally:
+        torch.cuda.set_device(before)
+    with pytest.raises(ValueError, match=rf"one of the {count} visible GPU\(s\)"):
+        build_context(environ={}, device=f"cuda:{count}")
+
+
 # --- NCCL: a group of one process ----------------------------------------------
 
 

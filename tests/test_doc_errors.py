@@ -301,6 +301,21 @@ def _no_cpu_fp16(_: Path) -> object:
         return fa.context_from_env({}, mixed_precision="fp16", cpu=True)
 
 
+def _gpus(
+    count: int, device: str, *, cpu: bool = False, local_world: int = 1
+) -> object:
+    # A machine with ``count`` visible GPUs, as torch.cuda reports it; none needed.
+    environ = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=count > 0),
+        mock.patch.object(torch.cuda, "device_count", return_value=count),
+    ):
+        return fa.build_context(
+            environ=environ if local_world > 1 else {}, device=device, cpu=cpu
+        )
+
+
 def _mismatched_group(tmp_path: Path) -> object:
     with _gloo_world_of_one(tmp_path):
         return fa.build_context(cpu=True, environ=_TWO_RANKS)
@@ -567,6 +582,20 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "MASTER_PORT must be set in the environment; got None. Launch with torchrun or "
     "pass InitProcessGroupKwargs(init_method=...).": lambda _: fa.build_context(
         cpu=True, environ=_TWO_RANKS
+    ),
+    "ValueError: build_context: device must be a device this machine has: 'cpu' "
+    "(torch.cuda.is_available() is False); got 'cuda:1'. Pass device='cpu', or run "
+    "where a CUDA GPU is visible.": lambda _: _gpus(0, "cuda:1"),
+    "ValueError: build_context: device must be one of the 2 visible GPU(s), cuda:0 "
+    "to cuda:1; got 'cuda:2'. CUDA_VISIBLE_DEVICES renumbers the GPUs a process "
+    "sees from 0.": lambda _: _gpus(2, "cuda:2"),
+    "ValueError: build_context: device must be a CPU device when cpu=True; got "
+    "'cuda:1'. Pass cpu=True without a device, or device='cuda:1' without "
+    "cpu=True.": lambda _: _gpus(2, "cuda:1", cpu=True),
+    "ValueError: build_context: device (by local rank) must be a different GPU for "
+    "each of the 2 processes on this machine with the NCCL backend; got ['cuda:1', "
+    "'cuda:1']. Pass a rule by local rank, ...": lambda _: _gpus(
+        2, "cuda:1", local_world=2
     ),
     "RuntimeError: build_context: the default process group has world_size=..., "
     "rank=... but ctx has ...": _mismatched_group,

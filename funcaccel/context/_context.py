@@ -31,6 +31,9 @@ from funcaccel._checks import fail_value
 from funcaccel._group import end_process_group
 from funcaccel._group import start_process_group
 from funcaccel._typing import MixedPrecision
+from funcaccel.context._device import DeviceChoice
+from funcaccel.context._device import check_local_devices
+from funcaccel.context._device import resolve_device
 from funcaccel.context._env import CollectiveTimeout
 from funcaccel.context._env import check_collective_timeout
 from funcaccel.context._env import check_mixed_precision
@@ -187,6 +190,7 @@ def context_from_env(
     cpu: bool = False,
     init_kwargs: InitProcessGroupKwargs | None = None,
     collective_timeout: CollectiveTimeout = None,
+    device: DeviceChoice = None,
 ) -> DistributedContext:
     """Build the context torchrun's variables in ``environ`` describe; start nothing.
 
@@ -201,55 +205,102 @@ def context_from_env(
         init_kwargs: decides the backend (see ``effective_backend``).
         collective_timeout: the context's ``collective_timeout`` (seconds or a
             ``timedelta``; ``None``: the group's timeout; ``"off"``).
+        device: this process's device instead of the default one: ``"cuda:1"``,
+            ``"cpu"``, a ``torch.device``, or a rule from the local rank to a
+            device (``lambda local_rank: f"cuda:{local_rank + 2}"``, given
+            ``LOCAL_RANK``, or 0 with one process). ``"cuda"`` without an index
+            is ``cuda:<LOCAL_RANK % device_count>``; ``"cpu:0"`` is the CPU.
 
     Returns:
-        The context; its device is ``cuda:<LOCAL_RANK % device_count>`` when CUDA is
-        available and ``cpu`` is false, else ``cpu``.
+        The context; its device is ``device`` when given, else
+        ``cuda:<LOCAL_RANK % device_count>`` when CUDA is available and ``cpu`` is
+        false, else ``cpu``.
 
     Raises:
-        ValueError: a missing or malformed variable, or a mixed-precision mode the
-            device cannot run.
+        TypeError: ``device`` (or its rule's result) is not a device.
+        ValueError: a missing or malformed variable; a mixed-precision mode the
+            device cannot run; a device this machine does not have (CUDA where
+            it is not available, an index beyond the visible GPUs), a CUDA
+            device with ``cpu=True``, or, when ``LOCAL_WORLD_SIZE`` is set, the
+            local ranks' devices of mixed types or sharing a GPU under NCCL.
 
     >>> env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
     >>> ctx = context_from_env(env, cpu=True)
     >>> ctx.process_index, ctx.distributed_type.value, ctx.backend
     (1, 'MULTI_CPU', 'gloo')
+    >>> context_from_env({}, device="cpu:0").device
+    device(type='cpu')
     """
+    return _from_env(
+        "context_from_env",
+        environ,
+        mixed_precision=mixed_precision,
+        cpu=cpu,
+        init_kwargs=init_kwargs,
+        collective_timeout=collective_timeout,
+        device=device,
+    )
+
+
+def _from_env(
+    caller: str,
+    environ: Mapping[str, str],
+    *,
+    mixed_precision: MixedPrecision,
+    cpu: bool,
+    init_kwargs: InitProcessGroupKwargs | None,
+    collective_timeout: CollectiveTimeout,
+    device: DeviceChoice,
+) -> DistributedContext:
+    """``context_from_env``, with ``device=`` errors under ``caller``'s name."""
     # Checked first: a bad timeout is the caller's, not the environment's.
     check_collective_timeout("context_from_env", collective_timeout)
     use_cuda = torch.cuda.is_available() and not cpu
     world = environ.get("WORLD_SIZE")
     if world is None or world.strip() == "1":
-        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-        check_mixed_precision(mixed_precision, device)
+        if device is not None:
+            chosen = resolve_device(caller, device, cpu=cpu, local_rank=0)
+        else:
+            chosen = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        check_mixed_precision(mixed_precision, chosen)
         return DistributedContext(
-            device=device,
+            device=chosen,
             mixed_precision=mixed_precision,
             collective_timeout=collective_timeout,
         )
     num_processes = env_int(environ, "WORLD_SIZE")
     rank = env_int(environ, "RANK")
     local_rank = env_int(environ, "LOCAL_RANK")
+    local_world: int | None = None
     if "LOCAL_WORLD_SIZE" in environ:
         local_world = env_int(environ, "LOCAL_WORLD_SIZE")
         if not 0 <= local_rank < local_world:
             what = f"in [0, LOCAL_WORLD_SIZE={local_world})"
             fail_value("context_from_env", "LOCAL_RANK", local_rank, what)
-    if use_cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        kind = DistributedType.MULTI_GPU
+    if device is not None:
+        chosen = resolve_device(caller, device, cpu=cpu, local_rank=local_rank)
+    elif use_cuda:
+        chosen = torch.device("cuda", local_rank % torch.cuda.device_count())
     else:
-        device = torch.device("cpu")
-        kind = DistributedType.MULTI_CPU
-    check_mixed_precision(mixed_precision, device)
-    backend = effective_backend(init_kwargs or InitProcessGroupKwargs(), device)
+        chosen = torch.device("cpu")
+    check_mixed_precision(mixed_precision, chosen)
+    backend = effective_backend(init_kwargs or InitProcessGroupKwargs(), chosen)
+    if device is not None and local_world is not None and num_processes > 1:
+        check_local_devices(
+            caller, device, cpu=cpu, local_world=local_world, backend=backend
+        )
+    several = (
+        DistributedType.MULTI_GPU
+        if chosen.type == "cuda"
+        else DistributedType.MULTI_CPU
+    )
     try:
         return DistributedContext(
             num_processes=num_processes,
             process_index=rank,
             local_process_index=local_rank,
-            device=device,
-            distributed_type=kind if num_processes > 1 else DistributedType.NO,
+            device=chosen,
+            distributed_type=several if num_processes > 1 else DistributedType.NO,
             mixed_precision=mixed_precision,
             backend=backend if num_processes > 1 else None,
             collective_timeout=collective_timeout,
@@ -294,10 +345,12 @@ def build_context(
     init_kwargs: InitProcessGroupKwargs | None = None,
     environ: Mapping[str, str] | None = None,
     collective_timeout: CollectiveTimeout = None,
+    device: DeviceChoice = None,
 ) -> DistributedContext:
     """Build the context from torchrun's environment and start the process group.
 
-    With several processes this sets the current CUDA device (on GPU) and calls
+    With several processes, or a CUDA ``device`` given, this sets the current
+    CUDA device (on GPU). With several processes it then calls
     ``torch.distributed.init_process_group`` with the effective backend, the
     handler's ``init_method`` (when ``None``: ``MASTER_ADDR``/``MASTER_PORT`` from
     ``environ``, through ``"env://"`` for ``os.environ``) and timeout, unless a
@@ -312,24 +365,33 @@ def build_context(
         collective_timeout: bound the wait of every funcaccel collective for the
             other ranks (see ``DistributedContext``); ``None``, the default,
             bounds it by the group's timeout, ``"off"`` skips the check.
+        device: this process's device instead of the default one (checked):
+            ``"cuda:1"``, ``"cpu"``, a ``torch.device``, or a rule from the local
+            rank to a device, e.g. ``lambda local_rank: f"cuda:{local_rank + 2}"``
+            (see ``context_from_env``).
 
     Returns:
         The context; end the group with ``close_context(ctx)``.
 
     Raises:
-        ValueError: see ``context_from_env``.
+        TypeError, ValueError: see ``context_from_env`` (``device`` errors name
+            ``build_context``).
         RuntimeError: an initialised default group does not match the environment.
     """
     kwargs = init_kwargs or InitProcessGroupKwargs()
     env = os.environ if environ is None else environ
-    ctx = context_from_env(
+    ctx = _from_env(
+        "build_context",
         env,
         mixed_precision=mixed_precision,
         cpu=cpu,
         init_kwargs=kwargs,
         collective_timeout=collective_timeout,
+        device=device,
     )
     if ctx.num_processes == 1:
+        if device is not None and ctx.device.type == "cuda":
+            torch.cuda.set_device(ctx.device)
         return ctx
     if dist.is_initialized():
         require_process_group(ctx, "build_context")
