@@ -446,9 +446,7 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     ),
     "TypeError: FSDPOptions: every item of shard_modules must be an nn.Module "
     "subclass; got Linear(...) (Linear). Pass the class (e.g. nn.Linear), not an "
-    "instance.": lambda _: (
-        FSDPOptions(shard_modules=[nn.Linear(1, 1)])  # type: ignore[list-item]
-    ),
+    "instance.": lambda _: FSDPOptions(shard_modules=[nn.Linear(1, 1)]),  # type: ignore[list-item]
     "TypeError: wrap_model: model must be a torch.nn.Module; got <generator "
     "object Module.parameters at ...> (generator). ...": lambda _: wrap_model(
         ONE,
