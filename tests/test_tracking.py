@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from funcaccel.tracking import normalize_config
 from funcaccel.tracking import normalize_metrics
 from funcaccel.tracking import store_config
 from funcaccel.tracking import trackers_from_names
+from funcaccel.tracking._wandb_ready import wandb_can_start
 from tests.fixtures import rank_ctx
 
 SINGLE = DistributedContext()
@@ -648,14 +650,135 @@ def test_trackers_from_names_all_is_every_installed_tracker(
 ) -> None:
     _installed("tensorboard", "mlflow", "wandb")
     everything = ["jsonl", "csv", "tensorboard", "mlflow", "wandb"]
-    assert [t.name for t in trackers_from_names(SINGLE, "all", tmp_path)] == everything
+    offline = {"WANDB_MODE": "offline"}
+    built = trackers_from_names(SINGLE, "all", tmp_path, environ=offline)
+    assert [t.name for t in built] == everything
     assert [
-        t.name for t in trackers_from_names(SINGLE, ["csv", "all"], tmp_path)
+        t.name
+        for t in trackers_from_names(SINGLE, ["csv", "all"], tmp_path, environ=offline)
     ] == everything
     for package in ("tensorboard", "wandb"):
         monkeypatch.setitem(sys.modules, package, None)
     built = trackers_from_names(rank_ctx(2, 1), ("all",), tmp_path)
     assert [t.name for t in built] == ["jsonl", "csv", "mlflow"]
+
+
+_NO_WANDB_KEY = (
+    r"^trackers_from_names: 'all' leaves W&B out: wandb is installed but finds no "
+    r"API key and no offline mode here, so its first call would fail \('No API key "
+    r"configured'\)\. To include it, run `wandb login` or set WANDB_API_KEY "
+    r"\(online\), or set WANDB_MODE=offline \(runs kept under project_dir/wandb/ "
+    r"for `wandb sync`\)\.$"
+)
+
+
+def test_all_leaves_wandb_out_with_a_warning_when_it_has_no_key(
+    tmp_path: Path,
+) -> None:
+    _installed("tensorboard", "mlflow", "wandb")
+    home = {"HOME": str(tmp_path), "WANDB_MODE": "online"}  # no key, no netrc
+    with pytest.warns(UserWarning, match=_NO_WANDB_KEY) as caught:
+        built = trackers_from_names(SINGLE, "all", tmp_path / "runs", environ=home)
+    assert [t.name for t in built] == ["jsonl", "csv", "tensorboard", "mlflow"]
+    assert len(caught) == 1 and caught[0].filename == __file__  # the caller's line
+    # Rank 1 gets the same list without a warning (an error under filterwarnings).
+    other = trackers_from_names(rank_ctx(2, 1), "all", tmp_path / "runs", environ=home)
+    assert [t.name for t in other] == [t.name for t in built]
+    # Named explicitly, W&B is built: wandb itself then asks for the key.
+    named = trackers_from_names(SINGLE, ["jsonl", "wandb"], tmp_path, environ=home)
+    assert [t.name for t in named] == ["jsonl", "wandb"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_all_reads_wandbs_key_from_the_process_environment_by_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _installed("wandb")
+    for name in [n for n in os.environ if n.startswith("WANDB_")] + ["NETRC"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.warns(UserWarning, match=_NO_WANDB_KEY):
+        built = trackers_from_names(SINGLE, "all", tmp_path)
+    assert "wandb" not in [t.name for t in built]
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert trackers_from_names(SINGLE, "all", tmp_path)[-1].name == "wandb"
+    assert not list(tmp_path.iterdir())  # nothing written, no wandb run started
+
+
+def _netrc(path: Path, host: str) -> str:
+    path.write_text(f"machine {host}\n  login user\n  password {'k' * 40}\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("environ", "files", "ready"),
+    [
+        ({}, {}, False),
+        ({"WANDB_MODE": "online"}, {}, False),
+        ({"WANDB_MODE": "offline"}, {}, True),
+        ({"WANDB_MODE": "dryrun"}, {}, True),
+        ({"WANDB_MODE": "disabled"}, {}, True),
+        ({"WANDB_API_KEY": "k" * 40}, {}, True),
+        ({"WANDB_IDENTITY_TOKEN_FILE": "/var/token"}, {}, True),
+        ({}, {".netrc": "api.wandb.ai"}, True),
+        ({}, {"_netrc": "api.wandb.ai"}, True),
+        ({}, {".netrc": "example.com"}, False),
+        (
+            {"WANDB_BASE_URL": "https://wandb.corp:8080"},
+            {".netrc": "api.wandb.ai"},
+            False,
+        ),
+        (
+            {"WANDB_BASE_URL": "https://wandb.corp:8080"},
+            {".netrc": "wandb.corp:8080"},
+            True,
+        ),
+        ({}, {".netrc": "machine"}, False),  # malformed: wandb ignores it too
+        ({}, {"settings": "[default]\nmode = offline\n"}, True),
+        ({}, {"settings": "[default]\napi_key = abc\n"}, True),
+        ({}, {"settings": "[default]\nentity = team\n"}, False),
+        ({}, {"settings": "not an ini file"}, False),
+        ({"WANDB_MODE": "online"}, {"settings": "[default]\nmode = offline\n"}, False),
+        (
+            {},
+            {"settings": "[default]\nbase_url = https://w.corp\n", ".netrc": "w.corp"},
+            True,
+        ),
+    ],
+)
+def test_wandb_can_start_reads_where_wandb_reads(
+    tmp_path: Path, environ: dict[str, str], files: dict[str, str], ready: bool
+) -> None:
+    home = tmp_path / "home"
+    (home / ".config" / "wandb").mkdir(parents=True)
+    for name, content in files.items():
+        if name == "settings":
+            (home / ".config" / "wandb" / "settings").write_text(content)
+        elif content == "machine":
+            (home / name).write_text("machine\n")
+        else:
+            _netrc(home / name, content)
+    assert wandb_can_start({"HOME": str(home), **environ}) is ready
+
+
+def test_wandb_can_start_follows_netrc_and_config_dir_variables(tmp_path: Path) -> None:
+    netrc_file = _netrc(tmp_path / "creds", "api.wandb.ai")
+    assert wandb_can_start({"NETRC": netrc_file})
+    assert not wandb_can_start({"NETRC": str(tmp_path / "missing")})
+    (tmp_path / "settings").write_text("[default]\nmode = offline\n")
+    assert wandb_can_start({"WANDB_CONFIG_DIR": str(tmp_path)})
+    system = {"WANDB_SETTINGS_SYSTEM": str(tmp_path / "settings")}
+    assert wandb_can_start(system)
+    assert not wandb_can_start({})  # no HOME: only the variables count
+
+
+def test_trackers_from_names_checks_environ(tmp_path: Path) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"^trackers_from_names: environ must be a mapping such as os\.environ, "
+        r"or None; got \['WANDB_MODE'\] \(list\)\.$",
+    ):
+        trackers_from_names(SINGLE, "all", tmp_path, environ=_any(["WANDB_MODE"]))
 
 
 @pytest.mark.parametrize("name", ["tensorboard", "mlflow", "wandb"])

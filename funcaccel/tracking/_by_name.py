@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from funcaccel.tracking._files import JSONLTracker
 from funcaccel.tracking._mlflow import MLflowTracker
 from funcaccel.tracking._tensorboard import TensorBoardTracker
 from funcaccel.tracking._wandb import WandbTracker
+from funcaccel.tracking._wandb_ready import wandb_can_start
 
 __all__ = ["trackers_from_names"]
 
@@ -56,6 +58,13 @@ _TRACKERS: Final[Mapping[str, _Entry]] = MappingProxyType(
 _ALL: Final = "all"
 _CHOICES: Final = (*_TRACKERS, _ALL)
 _ALL_HINT: Final = "'all' is every one whose package is installed."
+_MSG_WANDB_LEFT_OUT: Final = (
+    "trackers_from_names: 'all' leaves W&B out: wandb is installed but finds no API "
+    "key and no offline mode here, so its first call would fail ('No API key "
+    "configured'). To include it, run `wandb login` or set WANDB_API_KEY (online), "
+    "or set WANDB_MODE=offline (runs kept under project_dir/wandb/ for `wandb "
+    "sync`)."
+)
 _ONCE: Final = "a list naming each tracker once"
 
 
@@ -92,6 +101,7 @@ def trackers_from_names(
     project_dir: str | os.PathLike[str],
     *,
     project_name: str = "funcaccel",
+    environ: Mapping[str, str] | None = None,
 ) -> list[TrackerBase]:
     """Build the built-in trackers named, each writing under ``project_dir``.
 
@@ -100,10 +110,15 @@ def trackers_from_names(
     ``"tensorboard"`` (``project_dir/tensorboard/``), ``"mlflow"``
     (``project_dir/mlflow.db``, experiment ``project_name``) and ``"wandb"``
     (``project_dir/wandb/``, project ``project_name``); ``"all"`` is every one of
-    them whose package is installed, in that order. Trackers come back in the
-    order named; each is main-process-only with its defaults, and none touches
-    the disk before its first gated call, so every rank calls this with the same
-    arguments and gets the same list (``ctx`` is checked, not consulted).
+    them that can run here, in that order: its package is installed and, for
+    W&B, wandb finds an API key or an offline mode (``WANDB_API_KEY``, ``wandb
+    login``'s netrc entry, ``WANDB_MODE=offline`` ...). W&B left out for want of
+    a key is a ``UserWarning`` on the main process naming how to enable it
+    (Accelerate keeps it, and the run fails at ``wandb.init``); a ``"wandb"``
+    named explicitly is always built. Trackers come back in the order named;
+    each is main-process-only with its defaults, and none touches the disk
+    before its first gated call, so every rank calls this with the same
+    arguments and gets the same list.
 
     >>> from funcaccel.context import DistributedContext
     >>> [t.name for t in trackers_from_names(DistributedContext(), ["csv", "jsonl"], "runs")]
@@ -114,9 +129,13 @@ def trackers_from_names(
         names_or_all: a tracker name, a list of them, or ``"all"``.
         project_dir: the directory every tracker writes under.
         project_name: the W&B project and the MLflow experiment.
+        environ: where ``"all"`` looks for W&B's key and mode; ``os.environ``
+            when ``None`` (read only when ``"all"`` is asked and wandb is
+            installed).
 
     Raises:
-        TypeError: ``ctx``, ``names_or_all`` or ``project_dir`` of the wrong type.
+        TypeError: ``ctx``, ``names_or_all``, ``project_dir`` or ``environ`` of
+            the wrong type.
         ValueError: an unknown name, or one named twice.
         ImportError: a named tracker's package is not installed (checked before
             any tracker is built).
@@ -125,6 +144,10 @@ def trackers_from_names(
     check_name("trackers_from_names", "project_name", project_name, "exp1")
     names = _names(names_or_all)
     root = tracker_path("trackers_from_names", "project_dir", project_dir)
+    what = "a mapping such as os.environ, or None"
+    env = check_type(
+        "trackers_from_names", "environ", environ, Mapping, what=what, optional=True
+    )
     for name in names:
         package = None if name == _ALL else _TRACKERS[name].package
         if not _installed(package):
@@ -136,4 +159,8 @@ def trackers_from_names(
             raise ImportError(msg)
     if _ALL in names:
         names = [name for name, entry in _TRACKERS.items() if _installed(entry.package)]
+        if "wandb" in names and not wandb_can_start(os.environ if env is None else env):
+            names.remove("wandb")
+            if ctx.is_main_process:
+                warnings.warn(_MSG_WANDB_LEFT_OUT, UserWarning, stacklevel=2)
     return [_TRACKERS[name].build(root, project_name) for name in names]
