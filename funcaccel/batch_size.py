@@ -195,11 +195,9 @@ def find_executable_batch_size(
         )
         if next_size == 0:
             ranks = [rank for rank, c in enumerate(codes) if c == _OOM]
-            why = (
-                ""
-                if batch_size == 1
-                else (f", where reduce_batch_size_fn({batch_size}) returned 0")
-            )
+            why = ""
+            if batch_size > 1:
+                why = f", where reduce_batch_size_fn({batch_size}) returned 0"
             msg = (
                 f"{caller}: {name} ran out of memory at each of the {attempts} "
                 f"batch sizes tried, from starting_batch_size={starting_batch_size} "
@@ -292,7 +290,7 @@ def _attempt(
 def _check_same_start(ctx: DistributedContext, caller: str, start: int) -> None:
     if ctx.num_processes == 1:
         return
-    # Ranks that started differently would halve in lockstep and end with
+    # Ranks that started differently would shrink in lockstep and end with
     # different batch sizes; one small collective before the first attempt.
     starts = exchange_codes(ctx, start, caller=caller)
     if len(set(starts)) > 1:
