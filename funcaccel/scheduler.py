@@ -102,7 +102,9 @@ def scheduler_steps_due(
        (``"batches"``, Accelerate's convention), one per update if ``loader``
        splits each batch across processes and ``ctx.num_processes`` if not (an
        update on ``p`` ranks used up ``p`` such batches; accumulation does not
-       stretch it).
+       stretch it); a loader sharded on a mesh counts its data-parallel ranks
+       (``loader.data_parallel_size``), since tensor-parallel peers read the
+       same batches.
 
     ``schedule_counts`` defaults to ``"batches"`` when ``loader`` (the
     ``ShardedLoader`` the batches come from) is given; without a loader it must
@@ -145,20 +147,22 @@ def _per_update(
     """Return how many scheduler steps one optimizer update counts."""
     if split_batches is not None:
         fail_value(caller, "split_batches", split_batches, _REPLACED, _SPLIT_FIX)
-    split = False
+    split, streams = False, ctx.num_processes
     if loader is not None:
         if type(loader) is not ShardedLoader:  # the check itself only when needed
             what = "the ShardedLoader shard_loader returned"
             hint = "Without one, pass schedule_counts='updates' or 'batches' instead."
             check_type(caller, "loader", loader, ShardedLoader, what=what, hint=hint)
-        split = cast("ShardedLoader", loader).split_batches
+        sharded = cast("ShardedLoader", loader)
+        # On a mesh only the data-parallel ranks read distinct batches.
+        split, streams = sharded.split_batches, sharded.data_parallel_size
     if schedule_counts is None:
         if loader is None and step_with_optimizer:
             raise ValueError(_MSG_NEITHER.format(caller=caller, p=ctx.num_processes))
         schedule_counts = "batches"
     elif type(schedule_counts) is not str or schedule_counts not in _COUNTS:
         check_choice(caller, "schedule_counts", schedule_counts, _COUNTS)
-    return 1 if schedule_counts == "updates" or split else ctx.num_processes
+    return 1 if schedule_counts == "updates" or split else streams
 
 
 def _check_args(

@@ -30,6 +30,7 @@ from funcaccel.kwargs import GradScalerKwargs
 from funcaccel.loader import ShardedLoader
 from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
+from funcaccel.mesh import build_mesh
 from funcaccel.mixed_precision import build_grad_scaler
 from funcaccel.model import wrap_model
 from funcaccel.scheduler import ScheduleCounts
@@ -316,6 +317,35 @@ def test_maybe_step_scheduler_reads_split_batches_from_the_loader(
         1 if split else p
     )
     assert scheduler_steps_due(ctx, GradState(), loader=loader) == (1 if split else p)
+
+
+@pytest.mark.parametrize(
+    ("p", "rank", "sizes", "streams"),
+    [
+        (4, 1, {"tp": 2}, 2),
+        (4, 3, {"tp": 4}, 1),
+        (8, 5, {"dp_replicate": 2, "tp": 2}, 4),
+        (4, 2, {}, 4),
+    ],
+)
+def test_a_loader_on_a_mesh_counts_its_data_parallel_ranks(
+    p: int, rank: int, sizes: dict[str, int], streams: int
+) -> None:
+    # Tensor-parallel peers read the same batches: an update on p ranks uses up
+    # dp_size of the original loader's batches, so a schedule counted in them
+    # steps dp_size times (p times would run it tp times too fast).
+    ctx = rank_ctx(p, rank)
+    mesh = build_mesh(ctx, **sizes)
+    data = DataLoader(TensorDataset(torch.arange(48.0)), batch_size=4)
+    loader = shard_loader(ctx, data, mesh=mesh)
+    assert loader.data_parallel_size == mesh.dp_size == streams
+    assert len(loader) == 12 // streams
+    assert scheduler_steps_due(ctx, GradState(), loader=loader) == streams
+    scheduler = StepLR(_optimizer(), step_size=1)
+    scheduler.optimizer.step()
+    assert maybe_step_scheduler(ctx, scheduler, GradState(), loader=loader) == streams
+    split = shard_loader(ctx, data, mesh=mesh, split_batches=True)
+    assert scheduler_steps_due(ctx, GradState(), loader=split) == 1
 
 
 @pytest.mark.parametrize(("p", "rank"), [(1, 0), (2, 1), (3, 2)])

@@ -107,6 +107,11 @@ class ShardedLoader:
         return self._setup.split_batches
 
     @property
+    def data_parallel_size(self) -> int:
+        """How many ranks read distinct batches: ``ctx.num_processes``, or a mesh's ``dp_size``."""
+        return self._setup.view.num_processes
+
+    @property
     def even_batches(self) -> bool:
         """Whether the last round loops back so every rank gets a full batch."""
         return self._setup.even_batches
