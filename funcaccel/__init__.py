@@ -108,8 +108,10 @@ if TYPE_CHECKING:
     from funcaccel.checkpoint import save_model as save_model
     from funcaccel.envreport import env_report as env_report
     from funcaccel.join import join_uneven_inputs as join_uneven_inputs
+    from funcaccel.local_sgd import LocalSGDCount as LocalSGDCount
     from funcaccel.local_sgd import LocalSGDState as LocalSGDState
     from funcaccel.local_sgd import average_parameters_ as average_parameters_
+    from funcaccel.local_sgd import local_sgd_ctx as local_sgd_ctx
     from funcaccel.local_sgd import local_sgd_step as local_sgd_step
     from funcaccel.plot import plot_metrics as plot_metrics
     from funcaccel.process import get_logger as get_logger
@@ -118,6 +120,7 @@ if TYPE_CHECKING:
     from funcaccel.process import print_main as print_main
     from funcaccel.profiler import build_profiler as build_profiler
     from funcaccel.profiler import profiler_trace_path as profiler_trace_path
+    from funcaccel.scheduler import ScheduleCounts as ScheduleCounts
     from funcaccel.scheduler import maybe_step_scheduler as maybe_step_scheduler
     from funcaccel.scheduler import scheduler_steps_due as scheduler_steps_due
     from funcaccel.seeding import set_seed as set_seed
