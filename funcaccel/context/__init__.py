@@ -3,7 +3,7 @@
 ``_context.py`` holds ``DistributedContext`` and the functions that build, check and
 close it (the process group itself starts and ends in the private
 ``funcaccel._group``, so that every rank exits cleanly); ``_env.py`` what they read
-from outside the process.
+from outside the process; ``_device.py`` the check of a ``device=`` the caller names.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from funcaccel.context._context import context_from_env
 from funcaccel.context._context import effective_backend
 from funcaccel.context._context import effective_timeout
 from funcaccel.context._context import require_process_group
+from funcaccel.context._device import DeviceChoice
 from funcaccel.context._env import CollectiveTimeout
 
 __all__ = [
     "CollectiveTimeout",
+    "DeviceChoice",
     "build_context",
     "close_context",
     "context_from_env",
