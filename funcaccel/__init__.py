@@ -10,13 +10,14 @@ environment report, plots and the toolkit) load on first access, which keeps
 
 from __future__ import annotations
 
-import ast
 import importlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Final
 
 from funcaccel._version import __version__ as __version__
 from funcaccel.accumulate import accumulate_step as accumulate_step
@@ -142,23 +143,28 @@ if TYPE_CHECKING:
     from funcaccel.tracking import trackers_from_names as trackers_from_names
 
 
+# One re-exported name per match: "from funcaccel.x import name as name", also
+# in the parenthesised form the formatter gives a long line. Indented matches are
+# the ones under TYPE_CHECKING, the only indented imports of this file.
+_IMPORT: Final = re.compile(
+    r"^( *)from (funcaccel\.[\w.]+) import \(?\s*(\w+) as \3\b", re.MULTILINE
+)
+
+
 def _exported() -> tuple[Mapping[str, str], tuple[str, ...]]:
     """Read this file's imports: the lazy names' modules, and every public name.
 
     Each public name is written once, as an ``import ... as`` line above (so mypy
     sees it re-exported); the ones under ``TYPE_CHECKING`` load on first access.
     """
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
     lazy: dict[str, str] = {}
     names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
-            for stmt in node.body:
-                if isinstance(stmt, ast.ImportFrom) and stmt.module is not None:
-                    lazy.update((a.name, stmt.module) for a in stmt.names)
-        elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            if node.module.startswith("funcaccel."):
-                names += [a.name for a in node.names if not a.name.startswith("_")]
+    for match in _IMPORT.finditer(Path(__file__).read_text(encoding="utf-8")):
+        indent, module, name = match.groups()
+        if indent:
+            lazy[name] = module
+        if not name.startswith("_"):
+            names.append(name)
     return MappingProxyType(lazy), tuple(sorted(names, key=str.lower))
 
 
