@@ -143,18 +143,11 @@ def find_executable_batch_size(
         rank).
 
     Raises:
-        RuntimeError: ``fn`` still ran out of memory at batch size 1, or where
-            ``reduce_batch_size_fn`` returned 0 (on every rank); or ``fn``
-            raised another exception on another rank (this rank stops as well,
-            naming it).
-        TypeError: ``fn`` or ``reduce_batch_size_fn`` not callable with one
-            argument, ``starting_batch_size`` not an int, or
-            ``reduce_batch_size_fn`` returned something other than an int.
-        ValueError: ``starting_batch_size < 1``; ranks passed different
-            starting batch sizes (on every rank, before ``fn`` runs);
-            ``reduce_batch_size_fn`` returned a negative size or one not
-            smaller than the size that failed, or different sizes on different
-            ranks.
+        RuntimeError: still out of memory at batch size 1 or where the reduction
+            gave 0 (on every rank), or ``fn`` raised on another rank.
+        TypeError, ValueError: a bad argument or reduction result, or ranks that
+            disagree (before ``fn`` runs, or on the next size), each named with
+            its fix; the full list is in docs/toolkit.md.
         Exception: any other exception of ``fn``, on the rank that raised it
             (after the ranks exchanged it, so no rank waits forever).
 
