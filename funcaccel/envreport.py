@@ -2,8 +2,9 @@
 
 ``python -m funcaccel env`` prints ``env_report(os.environ)``. The report lists the
 versions (funcaccel, torch, CUDA and cuDNN when present, Python, platform), the
-torch.distributed backends this build offers, the CUDA device count, the torchrun
-variables found, and the ``DistributedContext`` that ``context_from_env`` would
+torch.distributed backends this build offers, the CUDA device count, the launch
+variables found (torchrun's, SLURM's, Open MPI's, MPICH/PMI's), the launcher they
+name with the rendezvous address it gives, and the ``DistributedContext`` that ``context_from_env`` would
 build from them (or its error, which the report shows instead of raising).
 ``python -m funcaccel env --mesh 2,2,1`` adds the ``dp_replicate x dp_shard x tp``
 mesh this launch would get from ``build_mesh``: its shape and this rank's place.
@@ -21,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from funcaccel._version import __version__
+from funcaccel.context import LAUNCHER_VARIABLES
 from funcaccel.context import context_from_env
+from funcaccel.context import read_launch
 from funcaccel.mesh import mesh_report_rows
 
 __all__ = ["env_report"]
@@ -34,7 +37,8 @@ LAUNCH_VARIABLES: Final[tuple[str, ...]] = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-"""The variables torchrun sets that decide the context (shown when present)."""
+"""The variables torchrun sets that decide the context (shown when present,
+followed by SLURM's and the MPI launchers' in ``LAUNCHER_VARIABLES``)."""
 
 
 def _yes(flag: bool) -> str:
@@ -77,6 +81,24 @@ def _cudnn_version() -> str:
         return "not available"
     version: int | None = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
     return "not available" if version is None else str(version)
+
+
+def _launcher_lines(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    try:
+        launch = read_launch(environ)
+    except (ValueError, TypeError) as error:
+        return [("error", f"{type(error).__name__}: {error}")]
+    if launch.num_processes == 1:
+        return [("launcher", launch.launcher), ("rendezvous", "none (one process)")]
+    if launch.rendezvous is None:
+        where = f"not set: {launch.rendezvous_note}"
+        if launch.launcher == "torchrun":
+            where = "MASTER_ADDR/MASTER_PORT not set (torchrun's env:// store)"
+    else:
+        where = (
+            f"{launch.rendezvous[0]}:{launch.rendezvous[1]} ({launch.rendezvous_note})"
+        )
+    return [("launcher", launch.launcher), ("rendezvous", where)]
 
 
 def _context_lines(environ: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -140,12 +162,14 @@ def env_report(
         ("CUDA devices", str(torch.cuda.device_count())),
         ("deepspeed", _installed_version("deepspeed")),
     ]
-    launch = [(name, environ[name]) for name in LAUNCH_VARIABLES if name in environ]
+    names = (*LAUNCH_VARIABLES, *LAUNCHER_VARIABLES)
+    launch = [(name, environ[name]) for name in names if name in environ]
     if not launch:
         launch = [("(none set)", "one process")]
     lines = [
         *_section("versions", versions),
         *_section("launch variables", launch),
+        *_section("launcher", _launcher_lines(environ)),
         *_section("context_from_env", _context_lines(environ)),
     ]
     if mesh is not None:

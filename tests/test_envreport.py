@@ -165,3 +165,61 @@ def test_main_env_mesh_option(
         main(["env", "--mesh", "2,two"])
     assert exit_info.value.code == 2
     assert "expected three integers DP_REPLICATE,DP_SHARD,TP" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("environ", "launcher", "rendezvous"),
+    [
+        ({}, "none", "none (one process)"),
+        (
+            TWO_RANKS,
+            "torchrun",
+            "MASTER_ADDR/MASTER_PORT not set (torchrun's env:// store)",
+        ),
+        (
+            {
+                "SLURM_JOB_ID": "4242",
+                "SLURM_STEP_ID": "0",
+                "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": "1",
+                "SLURM_JOB_NODELIST": "gpu[07-08]",
+            },
+            "slurm",
+            "gpu07:24242 (first node of SLURM_JOB_NODELIST; "
+            "port 20000 + SLURM_JOB_ID % 12000)",
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            },
+            "openmpi",
+            "not set: MPI launchers give no rendezvous address: export MASTER_ADDR",
+        ),
+    ],
+)
+def test_env_report_names_the_launcher_and_its_rendezvous(
+    environ: dict[str, str], launcher: str, rendezvous: str
+) -> None:
+    report = env_report(environ)
+    shown = _section(report, "launcher")
+    assert shown["launcher"] == launcher
+    assert shown["rendezvous"].startswith(rendezvous)
+    assert _section(report, "launch variables") == (
+        environ or {"(none set)": "one process"}
+    )
+    assert "error" not in _section(report, "context_from_env")
+
+
+def test_env_report_shows_a_contradiction_in_both_sections() -> None:
+    environ = {**TWO_RANKS, "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    environ |= {"SLURM_STEP_ID": "0", "SLURM_LOCALID": "0"}
+    report = env_report(environ)
+    expected = (
+        "ValueError: context_from_env: RANK=1 (torchrun's variable) contradicts "
+        "SLURM_PROCID=0 (SLURM)"
+    )
+    assert _section(report, "launcher")["error"].startswith(expected)
+    assert _section(report, "context_from_env")["error"].startswith(expected)

@@ -3,7 +3,8 @@
 ``_context.py`` holds ``DistributedContext`` and the functions that build, check and
 close it (the process group itself starts and ends in the private
 ``funcaccel._group``, so that every rank exits cleanly); ``_env.py`` what they read
-from outside the process; ``_device.py`` the check of a ``device=`` the caller names.
+from outside the process; ``_launchers.py`` which launcher (torchrun, SLURM,
+Open MPI, MPICH/PMI) started it and the world its variables describe; ``_device.py`` the check of a ``device=`` the caller names.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from funcaccel.context._context import effective_timeout
 from funcaccel.context._context import require_process_group
 from funcaccel.context._device import DeviceChoice
 from funcaccel.context._env import CollectiveTimeout
+from funcaccel.context._launchers import LAUNCHER_VARIABLES
+from funcaccel.context._launchers import Launch
+from funcaccel.context._launchers import Launcher
+from funcaccel.context._launchers import read_launch
 
 __all__ = [
+    "LAUNCHER_VARIABLES",
     "CollectiveTimeout",
     "DeviceChoice",
     "build_context",
@@ -29,5 +35,8 @@ __all__ = [
     "DistributedType",
     "effective_backend",
     "effective_timeout",
+    "Launch",
+    "Launcher",
+    "read_launch",
     "require_process_group",
 ]

@@ -38,8 +38,10 @@ from funcaccel.context._env import CollectiveTimeout
 from funcaccel.context._env import check_collective_timeout
 from funcaccel.context._env import check_mixed_precision
 from funcaccel.context._env import check_mode
-from funcaccel.context._env import env_int
-from funcaccel.context._env import rendezvous_init_method
+from funcaccel.context._launchers import launch_gpu
+from funcaccel.context._launchers import launch_init_method
+from funcaccel.context._launchers import read_launch
+from funcaccel.context._launchers import refuse_a_larger_group
 from funcaccel.kwargs import InitProcessGroupKwargs
 
 __all__ = [
@@ -192,11 +194,12 @@ def context_from_env(
     collective_timeout: CollectiveTimeout = None,
     device: DeviceChoice = None,
 ) -> DistributedContext:
-    """Build the context torchrun's variables in ``environ`` describe; start nothing.
+    """Build the context the launcher's variables in ``environ`` describe; start nothing.
 
-    Reads only ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and (for a check)
-    ``LOCAL_WORLD_SIZE``; ``environ`` is not modified. With ``WORLD_SIZE`` unset or
-    ``"1"`` the context is a single process.
+    Reads torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` (and, for a check,
+    ``LOCAL_WORLD_SIZE``), else SLURM's, Open MPI's or MPICH/PMI's (``read_launch``,
+    docs/clusters.md); ``environ`` is not modified. With none of them, or
+    ``WORLD_SIZE`` ``"1"``, the context is a single process.
 
     Args:
         environ: a mapping such as ``os.environ`` or a dict in a test.
@@ -218,7 +221,9 @@ def context_from_env(
 
     Raises:
         TypeError: ``device`` (or its rule's result) is not a device.
-        ValueError: a missing or malformed variable; a mixed-precision mode the
+        ValueError: a missing, malformed or contradictory variable (torchrun's
+            set by hand against SLURM's or MPI's; a SLURM or MPI local rank
+            beyond the visible GPUs); a mixed-precision mode the
             device cannot run; a device this machine does not have (CUDA where
             it is not available, an index beyond the visible GPUs), a CUDA
             device with ``cpu=True``, or, when ``LOCAL_WORLD_SIZE`` is set, the
@@ -256,8 +261,8 @@ def _from_env(
     # Checked first: a bad timeout is the caller's, not the environment's.
     check_collective_timeout("context_from_env", collective_timeout)
     use_cuda = torch.cuda.is_available() and not cpu
-    world = environ.get("WORLD_SIZE")
-    if world is None or world.strip() == "1":
+    launch = read_launch(environ)
+    if launch.num_processes == 1:
         if device is not None:
             chosen = resolve_device(caller, device, cpu=cpu, local_rank=0)
         else:
@@ -268,19 +273,12 @@ def _from_env(
             mixed_precision=mixed_precision,
             collective_timeout=collective_timeout,
         )
-    num_processes = env_int(environ, "WORLD_SIZE")
-    rank = env_int(environ, "RANK")
-    local_rank = env_int(environ, "LOCAL_RANK")
-    local_world: int | None = None
-    if "LOCAL_WORLD_SIZE" in environ:
-        local_world = env_int(environ, "LOCAL_WORLD_SIZE")
-        if not 0 <= local_rank < local_world:
-            what = f"in [0, LOCAL_WORLD_SIZE={local_world})"
-            fail_value("context_from_env", "LOCAL_RANK", local_rank, what)
+    num_processes, rank = launch.num_processes, launch.rank
+    local_rank, local_world = launch.local_rank, launch.local_world
     if device is not None:
         chosen = resolve_device(caller, device, cpu=cpu, local_rank=local_rank)
     elif use_cuda:
-        chosen = torch.device("cuda", local_rank % torch.cuda.device_count())
+        chosen = launch_gpu(launch, torch.cuda.device_count())
     else:
         chosen = torch.device("cpu")
     check_mixed_precision(mixed_precision, chosen)
@@ -390,6 +388,7 @@ def build_context(
         device=device,
     )
     if ctx.num_processes == 1:
+        refuse_a_larger_group(ctx.num_processes)
         if device is not None and ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
         return ctx
@@ -399,7 +398,7 @@ def build_context(
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     backend = ctx.backend or effective_backend(kwargs, ctx.device)
-    init_method = rendezvous_init_method(kwargs, env)
+    init_method = launch_init_method(kwargs, env)
     start_process_group(
         backend,
         init_method=init_method,
