@@ -340,6 +340,25 @@ def test_a_local_rank_beyond_the_visible_gpus_is_refused() -> None:
         launch_gpu(read_launch(environ), 2)
 
 
+@pytest.mark.parametrize(("count", "device"), [(2, "cuda:1"), (1, "cuda:0")])
+def test_context_from_env_puts_a_slurm_task_on_its_gpu(
+    monkeypatch: pytest.MonkeyPatch, count: int, device: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    ctx = context_from_env(SLURM)
+    assert (ctx.device, ctx.distributed_type, ctx.backend) == (
+        torch.device(device),
+        DistributedType.MULTI_GPU,
+        "nccl",
+    )
+    crowded = {**SLURM, "SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "3"}
+    if count > 1:
+        with pytest.raises(ValueError, match=r"SLURM_LOCALID must be below the 2 GPU"):
+            context_from_env(crowded)
+    assert context_from_env(crowded, cpu=True).device == torch.device("cpu")
+
+
 @pytest.mark.parametrize(
     ("environ", "init_method"),
     [
