@@ -250,6 +250,9 @@ def _child(
             "GROUP_RANK": "0",
             "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(num_processes),
+            # These variables describe this process even inside a SLURM or MPI
+            # task (build_context then does not compare them with those).
+            "FUNCACCEL_LAUNCH": "1",
         }
     )
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: no oversubscription

@@ -162,6 +162,18 @@ def test_slurm_port_is_unprivileged_and_below_the_ephemeral_range(
             ("torchrun", 8, 3, 1, None, None),
         ),
         (
+            # funcaccel.launch's workers inside a one-task SLURM step.
+            {
+                **SLURM,
+                "SLURM_NTASKS": "1",
+                "SLURM_PROCID": "0",
+                **TORCHRUN,
+                "WORLD_SIZE": "8",
+                "FUNCACCEL_LAUNCH": "1",
+            },
+            ("torchrun", 8, 3, 1, None, None),
+        ),
+        (
             # Set by hand in agreement with SLURM: read as torchrun's.
             {**SLURM, **TORCHRUN, "MASTER_ADDR": "m", "MASTER_PORT": "1"},
             ("torchrun", 4, 3, 1, None, ("m", "1")),
@@ -533,3 +545,22 @@ def test_the_sbatch_script_trains_like_torchrun_under_a_stub_srun(
     )
     assert torchrun.status == 0, torchrun.stderr
     assert torchrun.stdout.strip().splitlines()[-1] == f"param_sha256: {digests[0]}"
+
+
+def _launched_inside_one_slurm_task() -> tuple[str | None, str, int]:
+    # A funcaccel.launch worker started from a one-task srun step: SLURM's
+    # variables describe the parent, the torchrun-style ones this worker.
+    environ = {**os.environ, **SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
+    got = read_launch(environ)
+    return os.environ.get("FUNCACCEL_LAUNCH"), got.launcher, got.num_processes
+
+
+def test_launch_workers_inside_a_slurm_task_read_their_own_variables() -> None:
+    results = launch(
+        _launched_inside_one_slurm_task,
+        num_processes=2,
+        backend=None,
+        start_method="forkserver",
+        timeout_s=120,
+    )
+    assert results == [("1", "torchrun", 2)] * 2

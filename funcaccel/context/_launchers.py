@@ -52,9 +52,14 @@ __all__ = [
 Launcher: TypeAlias = Literal["torchrun", "slurm", "openmpi", "mpich/pmi", "none"]
 
 _CALLER: Final = "context_from_env"
+# Set by torchrun and by funcaccel.launch in the processes they start: their
+# torchrun-style variables then describe the workers, whatever SLURM or MPI say
+# of the process that started them.
+_STARTED_BY: Final = ("TORCHELASTIC_RUN_ID", "FUNCACCEL_LAUNCH")
 _NODELISTS: Final = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 LAUNCHER_VARIABLES: Final[tuple[str, ...]] = (
     "TORCHELASTIC_RUN_ID",
+    "FUNCACCEL_LAUNCH",
     "SLURM_JOB_ID",
     "SLURM_STEP_ID",
     "SLURM_PROCID",
@@ -248,7 +253,7 @@ def _check_agreement(environ: Mapping[str, str], found: _Found) -> None:
             msg = (
                 f"{_CALLER}: {name}={raw} (torchrun's variable) contradicts "
                 f"{other_name}={other} ({found.label}); torchrun did not start this "
-                "process (no TORCHELASTIC_RUN_ID), so both describe the same run. "
+                "process (no TORCHELASTIC_RUN_ID) nor funcaccel.launch, so both describe the same run. "
                 f"Unset WORLD_SIZE, RANK and LOCAL_RANK (funcaccel reads "
                 f"{found.label}'s variables itself) or make them agree."
             )
@@ -312,7 +317,7 @@ def read_launch(environ: Mapping[str, str]) -> Launch:
     """
     other = _find_other(environ)
     if "WORLD_SIZE" in environ:
-        if other is not None and "TORCHELASTIC_RUN_ID" not in environ:
+        if other is not None and not any(v in environ for v in _STARTED_BY):
             _check_found(other)
             _check_agreement(environ, other)
         return _torchrun(environ)
