@@ -29,8 +29,13 @@ _LAUNCHER_VARS: Final = frozenset(
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "FUNCACCEL_LAUNCH",
     }
 )
+# A suite run inside a SLURM step or under mpirun: the scripts it starts must not
+# read the outer job's variables as their own launch.
+_LAUNCHER_PREFIXES: Final = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,11 @@ class Finished:
 
 def script_env() -> dict[str, str]:
     """Return a copy of the environment that imports funcaccel from the checkout."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)
+    }
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO), env.get("PYTHONPATH")])
     )
