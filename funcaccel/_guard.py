@@ -29,22 +29,38 @@ a collective nobody else will join. No tensor moves and the backend is not
 touched, but a failed guard leaves the ranks disagreeing on how many collectives
 they have made: treat the ``RuntimeError`` as the end of the run (fix the call,
 then restart), not as something to retry.
+
+On a failure, and only then, each rank that raises first writes a report,
+``rank<r>.txt`` under ``ctx.hang_report_dir`` (by default
+``funcaccel-hang-<parent pid>`` under ``tempfile.gettempdir()``): its rank, the
+call and its number, the time and the Python stack of every thread. A rank that
+gave up waiting also reads, for each missing rank, its counter and the call name
+recorded under that number, and names them as that rank's last known call. An
+``OSError`` while writing the report is told in the error, never raised instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from typing import Final
 from typing import Protocol
 
 from torch.distributed import distributed_c10d as c10d
 
+from funcaccel._checks import summary
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 
-__all__ = ["KeyValueStore", "guard_collective", "settle_arrival"]
+__all__ = ["KeyValueStore", "guard_collective", "hang_report_dir", "settle_arrival"]
 
 _PREFIX: Final = "funcaccel/collective_guard/"
 _ARRIVED: Final = "arrived"
@@ -121,9 +137,89 @@ def guard_collective(ctx: DistributedContext, caller: str) -> None:
     settled, number = settle_arrival(store, rank, world, caller, timeout)
     if settled is None:
         return
+    report = write_hang_report(hang_report_dir(ctx), rank, caller, number)
     if settled["kind"] == "missing":
-        _raise_missing(rank, caller, timeout, settled)
-    _raise_mismatch(store, rank, world, caller, number, timeout)
+        last = last_known_calls(store, settled["missing"], number)
+        _raise_missing(rank, caller, timeout, settled, last_calls=last, report=report)
+    _raise_mismatch(store, rank, world, caller, number, timeout, report=report)
+
+
+def hang_report_dir(ctx: DistributedContext) -> Path:
+    """Return where a failed collective check writes this rank's report.
+
+    ``ctx.hang_report_dir`` when set, else ``funcaccel-hang-<parent pid>`` under
+    ``tempfile.gettempdir()``: the ranks a launcher starts on one machine share
+    their parent (torchrun's agent, ``srun``'s step daemon, ``mpirun``'s), so
+    they share the directory.
+    """
+    if ctx.hang_report_dir is not None:
+        return Path(ctx.hang_report_dir)
+    return Path(tempfile.gettempdir()) / f"funcaccel-hang-{os.getppid()}"
+
+
+def write_hang_report(directory: Path, rank: int, caller: str, number: int) -> str:
+    """Write ``directory/rank<rank>.txt``; return a sentence for the error.
+
+    The file holds the rank, the call and its number, the time (UTC) and the
+    stack of every thread of this process. The sentence names the file, or,
+    when writing it raised an ``OSError``, says so (the error is not raised:
+    it must not hide the failed collective).
+    """
+    path = directory / f"rank{rank}.txt"
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = [
+        f"rank: {rank}",
+        f"call: {caller}",
+        f"call number: {number}",
+        f"time: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+        f"pid: {os.getpid()}",
+    ]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"\nthread {names.get(ident, '?')} (id {ident}):")
+        lines.append("".join(traceback.format_stack(frame)).rstrip("\n"))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    except OSError as error:
+        return (
+            f"Writing this rank's report to {path} failed ({summary(error)}); set "
+            "ctx.hang_report_dir to a writable directory."
+        )
+    return (
+        f"This rank's call and every thread's stack are in {path} (each rank whose "
+        f"check fails writes rank<r>.txt in {directory}; set ctx.hang_report_dir "
+        "to choose it)."
+    )
+
+
+def last_known_calls(store: KeyValueStore, ranks: list[int], number: int) -> str:
+    """Describe each rank's last guarded call from its counter and that call's name.
+
+    ``number`` is the call the ranks were waited for. The name is the one
+    recorded under the rank's count (the first arriver's); it stays in the store
+    while the rank has not reached the next call. A rank whose count reached
+    ``number`` since arrived late, and is said to have.
+
+    >>> from torch.distributed import HashStore
+    >>> store = HashStore()
+    >>> _ = store.add("count/1", 1)
+    >>> store.set("name/1", "gather")
+    >>> last_known_calls(store, [1, 2], 2)
+    'rank 1: gather (call 1); rank 2: no funcaccel collective yet'
+    """
+    parts = []
+    for r in ranks:
+        count = store.add(f"count/{r}", 0)
+        if count == 0:
+            parts.append(f"rank {r}: no funcaccel collective yet")
+            continue
+        if count >= number:
+            parts.append(f"rank {r}: arrived after the wait ran out (call {count})")
+            continue
+        key = f"name/{count}"
+        name = store.get(key).decode() if store.check([key]) else "?"
+        parts.append(f"rank {r}: {name} (call {count})")
+    return "; ".join(parts)
 
 
 def settle_arrival(
@@ -171,6 +267,8 @@ def _raise_mismatch(
     caller: str,
     number: int,
     timeout: timedelta,
+    *,
+    report: str,
 ) -> None:
     # The failure path only: each rank writes its call's name, then lists every
     # rank's (a rank that does not write in time shows as "?").
@@ -185,13 +283,19 @@ def _raise_mismatch(
     msg = (
         f"{caller}: a collective call, but the ranks reached different "
         f"collectives ({listing}); call the same funcaccel collectives in the "
-        f"same order on every rank. {_AFTER_FAILURE}"
+        f"same order on every rank. {report} {_AFTER_FAILURE}"
     )
     raise RuntimeError(msg)
 
 
 def _raise_missing(
-    rank: int, caller: str, timeout: timedelta, decision: dict[str, Any]
+    rank: int,
+    caller: str,
+    timeout: timedelta,
+    decision: dict[str, Any],
+    *,
+    last_calls: str,
+    report: str,
 ) -> None:
     gave_up, missing = decision["rank"], decision["missing"]
     if missing:
@@ -205,6 +309,8 @@ def _raise_missing(
     msg = (
         f"{caller}: a collective call; {what}: call {caller} on every rank (not "
         "under `if ctx.is_main_process`), or raise collective_timeout if a rank is "
-        f"legitimately that much slower. {_AFTER_FAILURE}"
+        "legitimately that much slower. "
+        + (f"Last known funcaccel calls: {last_calls}. " if last_calls else "")
+        + f"{report} {_AFTER_FAILURE}"
     )
     raise RuntimeError(msg)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -28,6 +30,7 @@ from torch._C._distributed_c10d import HashStore
 from funcaccel._group import end_process_group
 from funcaccel._group import start_process_group
 from funcaccel._guard import guard_collective
+from funcaccel._guard import hang_report_dir
 from funcaccel._guard import settle_arrival
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.collectives import any_process
@@ -66,7 +69,9 @@ def _wait_for(flag: Path) -> None:
 
 def _rank_zero_only(ctx: DistributedContext, run: Path) -> dict[str, Any]:
     """Rank 0 calls five collectives alone; rank 1 waits them out, then calls late."""
-    ctx = dataclasses.replace(ctx, collective_timeout=BOUND_S)
+    ctx = dataclasses.replace(
+        ctx, collective_timeout=BOUND_S, hang_report_dir=str(run / "hangs")
+    )
     done = run / "rank-0-done"
     checkpoints = run / "checkpoints"
     if ctx.is_main_process:
@@ -134,7 +139,9 @@ def test_a_rank_arriving_after_the_others_gave_up_fails_at_once(
 
 def _mismatch_then_missing(ctx: DistributedContext, run: Path) -> dict[str, Any]:
     """3 ranks: rank 1 reaches reduce where the others gather; then rank 2 is absent."""
-    ctx = dataclasses.replace(ctx, collective_timeout=BOUND_S)
+    ctx = dataclasses.replace(
+        ctx, collective_timeout=BOUND_S, hang_report_dir=str(run / "hangs")
+    )
     rank, done = ctx.process_index, run / "ranks-0-1-done"
     out: dict[str, Any] = {}
     if rank == 1:
@@ -354,8 +361,13 @@ def _alone_with_defaults(tmp_path: Path) -> dict[str, Any]:
             "gather": lambda: gather(ctx, torch.ones(1)),
             "wait_for_everyone": lambda: wait_for_everyone(ctx),
         }
-        out = {name: _outcome(call) for name, call in calls.items()}
+        out: dict[str, Any] = {name: _outcome(call) for name, call in calls.items()}
         done.touch()
+        # No hang_report_dir: the reports went to the default directory, which
+        # this run's ranks share; list it, then remove it.
+        reports = hang_report_dir(ctx)
+        out["reports"] = str(reports), sorted(p.name for p in reports.iterdir())
+        shutil.rmtree(reports)
         return out
     finally:
         end_process_group()
@@ -386,3 +398,8 @@ def test_by_default_a_call_on_rank_zero_only_fails_within_the_groups_timeout(
             f"3 s: call {call} on every rank (not under `if ctx.is_main_process`)"
         ), message
         assert GROUP_TIMEOUT_S <= seconds < GROUP_TIMEOUT_S + SLACK_S
+    reports, names = alone["reports"]
+    assert reports.startswith(os.path.join(tempfile.gettempdir(), "funcaccel-hang-"))
+    assert names == ["rank0.txt"]
+    for call in _DEFAULT_CALLS:
+        assert f"are in {reports}/rank0.txt (each rank" in alone[call][0]

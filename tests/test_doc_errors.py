@@ -198,7 +198,24 @@ def _different_collectives(tmp_path: Path) -> None:
     # number 1 (it named itself there); rank 0 reaches gather and lists them.
     store = HashStore()
     store.set("who/1/1", "reduce")
-    _guard._raise_mismatch(store, 0, 2, "gather", 1, timedelta(seconds=60))
+    report = _guard.write_hang_report(tmp_path, 0, "gather", 1)
+    _guard._raise_mismatch(
+        store, 0, 2, "gather", 1, timedelta(seconds=60), report=report
+    )
+
+
+def _missing_rank(tmp_path: Path) -> None:
+    # Rank 0 gave up on gather (call 2) while rank 1's last guarded call was
+    # gather_for_metrics (call 1), as the store records it.
+    store = HashStore()
+    store.add("count/1", 1)
+    store.set("name/1", "gather_for_metrics")
+    last = _guard.last_known_calls(store, [1], 2)
+    report = _guard.write_hang_report(tmp_path, 0, "gather", 2)
+    decision = {"rank": 0, "missing": [1]}
+    _guard._raise_missing(
+        0, "gather", timedelta(seconds=60), decision, last_calls=last, report=report
+    )
 
 
 def _two_ranks_gather(other: Any, data: Any, caller: str = "gather") -> object:
@@ -546,9 +563,11 @@ TRIGGERS: Final[dict[str, Trigger]] = {
     "RuntimeError: gather: ctx has num_processes=2 but no default process group is "
     "initialised; ...": lambda _: fa.gather(_world(2), torch.ones(1)),
     "RuntimeError: gather: a collective call; rank 1 did not reach it within 60 s: "
-    "call gather on every rank (not under ...": lambda _: _guard._raise_missing(
-        0, "gather", timedelta(seconds=60), {"rank": 0, "missing": [1]}
-    ),
+    "call gather on every rank (not under ...": _missing_rank,
+    "RuntimeError: gather: a collective call; rank 1 did not reach it within 60 s: "
+    "... Last known funcaccel calls: rank 1: gather_for_metrics (call 1). This "
+    "rank's call and every thread's stack are in .../rank0.txt (each rank whose "
+    "check fails writes rank<r>.txt in ...": _missing_rank,
     "RuntimeError: gather: a collective call, but the ranks reached different "
     "collectives (rank 0: gather, rank 1: reduce); ...": _different_collectives,
     # context.md

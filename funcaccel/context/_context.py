@@ -89,6 +89,11 @@ class DistributedContext:
             ``timedelta``). ``None``, the default, bounds it by the process
             group's own timeout; ``"off"`` skips the check (a call only some ranks
             make then waits in the backend and ends in its error).
+        hang_report_dir: where a rank whose collective check fails writes
+            ``rank<r>.txt`` (its call, call number, the time and every thread's
+            stack); a directory as a ``str``, or ``None``, the default, for
+            ``funcaccel-hang-<parent pid>`` under ``tempfile.gettempdir()``. The
+            error names the file. Set it with ``dataclasses.replace``.
 
     Raises:
         ValueError: a field out of range or inconsistent with another.
@@ -105,6 +110,7 @@ class DistributedContext:
     mixed_precision: MixedPrecision = "no"
     backend: str | None = None
     collective_timeout: CollectiveTimeout = None
+    hang_report_dir: str | None = None
 
     def __post_init__(self) -> None:
         owner = "DistributedContext"
@@ -122,6 +128,15 @@ class DistributedContext:
         _check_type_consistency(self)
         timeout = check_collective_timeout(owner, self.collective_timeout)
         object.__setattr__(self, "collective_timeout", timeout)
+        hint = "Pass a directory as a str (str(path)), or None for the default."
+        check_type(
+            owner,
+            "hang_report_dir",
+            self.hang_report_dir,
+            str,
+            hint=hint,
+            optional=True,
+        )
 
     @property
     def is_main_process(self) -> bool:
