@@ -10,6 +10,7 @@ its test, as it fails a user's job.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,3 +98,27 @@ def run_script(
     command = [sys.executable, *(launcher if processes > 1 else []), str(script)]
     command += [str(arg) for arg in args]
     return _run(command, timeout)
+
+
+DIGITS_TINY: Final = ("--epochs", "2", "--train-samples", "320", "--batch-size", "16")
+
+
+def one_digest(stdout: str) -> str:
+    """The one ``param_sha256`` a run of the digits example printed (rank 0 only)."""
+    digests: list[str] = re.findall(r"^param_sha256: ([0-9a-f]{64})$", stdout, re.M)
+    assert len(digests) == 1, stdout[-2000:]  # several: ranks ran as separate runs
+    return digests[0]
+
+
+def torchrun_digits_digest(run_dir: Path) -> str:
+    """The digest of the tiny digits run under torchrun at 2 processes."""
+    done = run_script(
+        REPO / "examples" / "train_digits.py",
+        *DIGITS_TINY,
+        "--run-dir",
+        run_dir,
+        processes=2,
+        timeout=240,
+    )
+    assert done.status == 0, done.stderr
+    return one_digest(done.stdout)

@@ -29,9 +29,11 @@ from funcaccel.context._slurm_lists import expand_tasks_per_node
 from funcaccel.context._slurm_lists import slurm_port
 from funcaccel.kwargs import InitProcessGroupKwargs
 from funcaccel.launch import launch
+from tests._scripts import DIGITS_TINY
 from tests._scripts import REPO
-from tests._scripts import run_script
+from tests._scripts import one_digest
 from tests._scripts import script_env
+from tests._scripts import torchrun_digits_digest
 
 # Task 3 of `srun -N 2 --ntasks-per-node=2` in job 4242 on node[07-08].
 SLURM = {
@@ -61,7 +63,6 @@ PMI = {
     "MASTER_PORT": "29401",
 }
 TORCHRUN = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}
-DIGITS_TINY = ["--epochs", "2", "--train-samples", "320", "--batch-size", "16"]
 
 
 def _without(environ: dict[str, str], *names: str) -> dict[str, str]:
@@ -532,19 +533,8 @@ def test_the_sbatch_script_trains_like_torchrun_under_a_stub_srun(
     outs = [(tmp_path / f"task{t}.out").read_text() for t in (0, 1)]
     errs = [(tmp_path / f"task{t}.err").read_text() for t in (0, 1)]
     assert done.returncode == 0, (done.stderr, errs)
-    digests = re.findall(r"^param_sha256: ([0-9a-f]{64})$", outs[0], flags=re.M)
-    assert len(digests) == 1, outs[0]
     assert outs[1] == ""  # only the main process prints
-    torchrun = run_script(
-        REPO / "examples" / "train_digits.py",
-        *DIGITS_TINY,
-        "--run-dir",
-        tmp_path / "torchrun-run",
-        processes=2,
-        timeout=240,
-    )
-    assert torchrun.status == 0, torchrun.stderr
-    assert torchrun.stdout.strip().splitlines()[-1] == f"param_sha256: {digests[0]}"
+    assert one_digest(outs[0]) == torchrun_digits_digest(tmp_path / "torchrun")
 
 
 def _launched_inside_one_slurm_task() -> tuple[str | None, str, int]:
