@@ -4,11 +4,15 @@
 (sharding, scheduling, gating) can be checked for every rank in one process. The
 datasets yield their own indices as tensors: ``Indexed`` (map-style, records every
 fetch), ``Stream`` (iterable, no ``len()``) and ``SizedStream`` (iterable, sized).
+``outcome`` and ``wait_for`` serve the ranks of the collective-guard tests.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -84,3 +88,23 @@ class TpMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down(torch.tanh(self.up(x)))
         return out
+
+
+Outcome = tuple[str | None, float]
+
+
+def outcome(call: Callable[[], object]) -> Outcome:
+    """Run ``call``; return its RuntimeError's message (or None) and the seconds taken."""
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def wait_for(flag: Path, seconds: float) -> None:
+    """Wait until ``flag`` exists, at most ``seconds`` (the caller checks what follows)."""
+    deadline = time.monotonic() + seconds
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

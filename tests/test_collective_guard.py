@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,29 +41,14 @@ from funcaccel.context import DistributedType
 from funcaccel.launch import launch
 from funcaccel.testing import rank_ctx
 from funcaccel.testing import run_ranks
+from tests.fixtures import outcome
+from tests.fixtures import wait_for
 
 BOUND_S: Final = 2.0
 # Above the bound: the file store the tests rendezvous through polls once a second,
 # and the machine is shared.
 SLACK_S: Final = 8.0
 _WAIT_S: Final = 90.0
-Outcome = tuple[str | None, float]
-
-
-def _outcome(call: Callable[[], object]) -> Outcome:
-    """Run ``call``; return its RuntimeError's message (or None) and the seconds taken."""
-    start = time.monotonic()
-    try:
-        call()
-    except RuntimeError as error:
-        return str(error), time.monotonic() - start
-    return None, time.monotonic() - start
-
-
-def _wait_for(flag: Path) -> None:
-    deadline = time.monotonic() + _WAIT_S
-    while not flag.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _rank_zero_only(ctx: DistributedContext, run: Path) -> dict[str, Any]:
@@ -76,21 +60,21 @@ def _rank_zero_only(ctx: DistributedContext, run: Path) -> dict[str, Any]:
     checkpoints = run / "checkpoints"
     if ctx.is_main_process:
         out = {
-            "save_checkpoint": _outcome(
+            "save_checkpoint": outcome(
                 lambda: save_checkpoint(ctx, checkpoints, models=nn.Linear(1, 1))
             ),
-            "gather": _outcome(lambda: gather(ctx, torch.ones(1))),
-            "reduce": _outcome(lambda: reduce(ctx, torch.ones(1), reduction="sum")),
-            "wait_for_everyone": _outcome(lambda: wait_for_everyone(ctx)),
-            "any_process": _outcome(lambda: any_process(ctx, True)),
+            "gather": outcome(lambda: gather(ctx, torch.ones(1))),
+            "reduce": outcome(lambda: reduce(ctx, torch.ones(1), reduction="sum")),
+            "wait_for_everyone": outcome(lambda: wait_for_everyone(ctx)),
+            "any_process": outcome(lambda: any_process(ctx, True)),
             "written": checkpoints.exists() and any(checkpoints.iterdir()),
         }
         done.touch()
         return out
     # Never joins the five calls; waits (well past the bound) until rank 0 gave up
     # on all of them, then makes the first one late.
-    _wait_for(done)
-    late = _outcome(lambda: save_checkpoint(ctx, checkpoints, models=nn.Linear(1, 1)))
+    wait_for(done, _WAIT_S)
+    late = outcome(lambda: save_checkpoint(ctx, checkpoints, models=nn.Linear(1, 1)))
     return {"late save_checkpoint": late}
 
 
@@ -145,13 +129,13 @@ def _mismatch_then_missing(ctx: DistributedContext, run: Path) -> dict[str, Any]
     rank, done = ctx.process_index, run / "ranks-0-1-done"
     out: dict[str, Any] = {}
     if rank == 1:
-        out["mismatch"] = _outcome(lambda: reduce(ctx, torch.ones(1), reduction="sum"))
+        out["mismatch"] = outcome(lambda: reduce(ctx, torch.ones(1), reduction="sum"))
     else:
-        out["mismatch"] = _outcome(lambda: gather(ctx, torch.ones(1)))
+        out["mismatch"] = outcome(lambda: gather(ctx, torch.ones(1)))
     if rank == 2:
-        _wait_for(done)
+        wait_for(done, _WAIT_S)
         return out
-    out["missing"] = _outcome(lambda: gather(ctx, torch.ones(1)))
+    out["missing"] = outcome(lambda: gather(ctx, torch.ones(1)))
     (run / f"rank-{rank}-done").touch()
     if (run / "rank-0-done").exists() and (run / "rank-1-done").exists():
         done.touch()
@@ -352,7 +336,7 @@ def _alone_with_defaults(tmp_path: Path) -> dict[str, Any]:
     try:
         ctx = rank_ctx(world_size, rank)
         if rank != 0:
-            _wait_for(done)
+            wait_for(done, _WAIT_S)
             return {}
         calls: dict[str, Callable[[], object]] = {
             "save_checkpoint": lambda: save_checkpoint(
@@ -361,7 +345,7 @@ def _alone_with_defaults(tmp_path: Path) -> dict[str, Any]:
             "gather": lambda: gather(ctx, torch.ones(1)),
             "wait_for_everyone": lambda: wait_for_everyone(ctx),
         }
-        out: dict[str, Any] = {name: _outcome(call) for name, call in calls.items()}
+        out: dict[str, Any] = {name: outcome(call) for name, call in calls.items()}
         done.touch()
         # No hang_report_dir: the reports went to the default directory, which
         # this run's ranks share; list it, then remove it.

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from typing import Final
@@ -27,26 +25,13 @@ from funcaccel.collectives import reduce
 from funcaccel.collectives import wait_for_everyone
 from funcaccel.context import DistributedContext
 from funcaccel.testing import run_ranks
+from tests.fixtures import Outcome
+from tests.fixtures import outcome
+from tests.fixtures import wait_for
 
 BOUND_S: Final = 3.0
 _WAIT_S: Final = 60.0
 _RUN_TIMEOUT_S: Final = 60.0
-Outcome = tuple[str | None, float]
-
-
-def _outcome(call: Callable[[], object]) -> Outcome:
-    start = time.monotonic()
-    try:
-        call()
-    except RuntimeError as error:
-        return str(error), time.monotonic() - start
-    return None, time.monotonic() - start
-
-
-def _wait_for(flag: Path) -> None:
-    deadline = time.monotonic() + _WAIT_S
-    while not flag.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _alone_at_call_two(ctx: DistributedContext, run: Path) -> dict[str, Any]:
@@ -60,14 +45,14 @@ def _alone_at_call_two(ctx: DistributedContext, run: Path) -> dict[str, Any]:
         ctx, collective_timeout=BOUND_S, hang_report_dir=str(reports)
     )
     done = run / "rank-0-done"
-    out: dict[str, Any] = {"first": _outcome(lambda: gather(ctx, torch.ones(1)))}
+    out: dict[str, Any] = {"first": outcome(lambda: gather(ctx, torch.ones(1)))}
     if ctx.is_main_process:
-        out["alone"] = _outcome(lambda: wait_for_everyone(ctx))
+        out["alone"] = outcome(lambda: wait_for_everyone(ctx))
         done.touch()
     else:
-        _wait_for(done)
+        wait_for(done, _WAIT_S)
         if ctx.process_index == 1:
-            out["late"] = _outcome(lambda: reduce(ctx, torch.ones(1)))
+            out["late"] = outcome(lambda: reduce(ctx, torch.ones(1)))
     return out
 
 
@@ -131,8 +116,8 @@ def _different_calls(ctx: DistributedContext, run: Path) -> Outcome:
         ctx, collective_timeout=BOUND_S, hang_report_dir=str(run / "hangs")
     )
     if ctx.is_main_process:
-        return _outcome(lambda: wait_for_everyone(ctx))
-    return _outcome(lambda: gather(ctx, torch.ones(1)))
+        return outcome(lambda: wait_for_everyone(ctx))
+    return outcome(lambda: gather(ctx, torch.ones(1)))
 
 
 @pytest.mark.distributed
