@@ -340,17 +340,22 @@ def test_a_partial_or_contradictory_environment_is_refused(
 def test_each_local_rank_gets_its_gpu(
     environ: dict[str, str], count: int, device: str
 ) -> None:
-    assert launch_gpu(read_launch(environ), count) == torch.device(device)
+    assert launch_gpu(read_launch(environ), count, environ) == torch.device(device)
 
 
 def test_a_local_rank_beyond_the_visible_gpus_is_refused() -> None:
-    environ = {**SLURM, "SLURM_LOCALID": "3", "SLURM_TASKS_PER_NODE": "4(x1)"}
+    environ = {
+        **SLURM,
+        "SLURM_LOCALID": "3",
+        "SLURM_TASKS_PER_NODE": "4(x1)",
+        "CUDA_VISIBLE_DEVICES": "4,5",
+    }
     with pytest.raises(
         ValueError,
         match=r"^context_from_env: SLURM_LOCALID must be below the 2 GPU\(s\) this "
-        r"process sees .*; got 3\. Start at most one task per GPU",
+        r"process sees .*CUDA_VISIBLE_DEVICES=4,5\); got 3\. Start at most one task",
     ):
-        launch_gpu(read_launch(environ), 2)
+        launch_gpu(read_launch(environ), 2, environ)
 
 
 @pytest.mark.parametrize(("count", "device"), [(2, "cuda:1"), (1, "cuda:0")])

@@ -293,7 +293,7 @@ def _from_env(
     if device is not None:
         chosen = resolve_device(caller, device, cpu=cpu, local_rank=local_rank)
     elif use_cuda:
-        chosen = launch_gpu(launch, torch.cuda.device_count())
+        chosen = launch_gpu(launch, torch.cuda.device_count(), environ)
     else:
         chosen = torch.device("cpu")
     check_mixed_precision(mixed_precision, chosen)

@@ -21,7 +21,6 @@ with ``SLURM_PROCID=3`` is rank 3 of 4, local rank 1, and every task meets at
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Final
 from typing import Literal
@@ -346,8 +345,10 @@ def read_launch(environ: Mapping[str, str]) -> Launch:
     )
 
 
-def launch_gpu(launch: Launch, count: int) -> torch.device:
+def launch_gpu(launch: Launch, count: int, environ: Mapping[str, str]) -> torch.device:
     """Return the default GPU of ``launch``'s local rank among ``count`` visible.
+
+    ``environ`` is the mapping ``launch`` was read from (for the message only).
 
     torchrun's ``LOCAL_RANK`` wraps (``LOCAL_RANK % count``), as it always did.
     Under SLURM or MPI a process that sees one GPU uses it (``srun
@@ -361,7 +362,7 @@ def launch_gpu(launch: Launch, count: int) -> torch.device:
     if launch.launcher == "torchrun" or count == 1:
         return torch.device("cuda", rank % count)
     if rank >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        visible = environ.get("CUDA_VISIBLE_DEVICES", "unset")
         what = (
             f"below the {count} GPU(s) this process sees (torch.cuda.device_count(); "
             f"CUDA_VISIBLE_DEVICES={visible})"
