@@ -121,8 +121,10 @@ def check_rank_map(
     >>> check_rank_map("f", [0, None])
     (0, None)
     """
-    if rank_map is None or rank_map == "drop":
-        return "drop" if rank_map == "drop" else None
+    if rank_map is None:
+        return None
+    if rank_map == "drop":
+        return "drop"
     if isinstance(rank_map, Sequence) and not isinstance(rank_map, (str, bytes)):
         entries = tuple(rank_map)
         if all(entry is None or is_int(entry) for entry in entries):
