@@ -59,6 +59,14 @@ __all__ = [
     "shard_loader",
 ]
 
+# iter_batches: a stream's state saved on one world size, resumed on another whose
+# global batch does not divide the samples consumed (docs/data.md).
+_FIX_STREAM: Final = (
+    "The stream's state was saved by a loader on {0} data-parallel ranks and this "
+    "loader runs on {1}: the position after {2} samples falls inside one of its "
+    "global batches. Resume on a world size (and batch size) whose global batch "
+    "divides {2}, or start the next epoch with LoaderState(epoch={3})."
+)
 # iter_batches: a state this loader cannot resume from (docs/loader.md#errors).
 _SAMPLES: Final = "the samples state counts (global_batches * global_batch_size)"
 _DYNAMIC: Final = "0 for a loader with a dynamic batch sampler (no total_batch_size)"
@@ -287,6 +295,10 @@ def _consumed(loader: ShardedLoader, state: LoaderState) -> int:
         return state.global_batches
     samples = state.global_batches * (state.global_batch_size or total)
     what = f"a multiple of this loader's total_batch_size ({total})"
+    if samples % total and state.stream_ranks:
+        ranks = loader.data_parallel_size
+        fix = _FIX_STREAM.format(state.stream_ranks, ranks, samples, state.epoch + 1)
+        fail_value("iter_batches", _SAMPLES, samples, what, fix)
     if samples % total:
         fail_value("iter_batches", _SAMPLES, samples, what, _FIX)
     return samples // total
@@ -340,4 +352,5 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
     check_type("iter_batches", "loader", loader, ShardedLoader, what=what)
     hint = "Use LoaderState.from_dict for a saved dict."
     check_type("iter_batches", "state", state, LoaderState, hint=hint)
-    return records(loader._setup, state.epoch, _skip(loader, state))
+    skip = _skip(loader, state)
+    return records(loader._setup, state.epoch, skip, state.stream_state)

@@ -14,10 +14,12 @@ from typing import Final
 from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
+from funcaccel.loader._json import json_copy
 
 __all__ = ["START", "Batch", "LoaderState", "make_batch"]
 
 _FIX: Final = "Pass the dict LoaderState.to_dict() returned."
+_FIX_START: Final = "Leave stream_state out at an epoch start: LoaderState(epoch=e)."
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,10 +31,17 @@ class LoaderState:
         global_batches: Global batches of that epoch already consumed (>= 0).
         global_batch_size: The global batch size ``G`` they were counted in; 0
             means "the resuming loader's ``total_batch_size``".
+        stream_state: A stateful stream's own ``state_dict()`` after those
+            samples (JSON values, deep-copied), so that a resume loads it instead
+            of reading the samples again; ``None`` for any other loader
+            (docs/data.md#resuming-a-stream).
+        stream_ranks: The data-parallel ranks of the loader that saved
+            ``stream_state`` (>= 1 with it, 0 without).
 
     Raises:
-        TypeError: A field that is not an int.
-        ValueError: A negative field.
+        TypeError: A field of the wrong type.
+        ValueError: A negative field, a ``stream_state`` without ``stream_ranks``
+            or with ``global_batches=0``, or ``stream_ranks`` without it.
 
     >>> state = LoaderState(epoch=2, global_batches=5, global_batch_size=64)
     >>> LoaderState.from_dict(state.to_dict()) == state
@@ -46,22 +55,56 @@ class LoaderState:
     epoch: int = 0
     global_batches: int = 0
     global_batch_size: int = 0
+    stream_state: Any = None
+    stream_ranks: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("epoch", "global_batches", "global_batch_size"):
+        for name in ("epoch", "global_batches", "global_batch_size", "stream_ranks"):
             check_int("LoaderState", name, getattr(self, name), 0)
+        if self.stream_state is None:
+            if self.stream_ranks:
+                what = "0 when stream_state is None"
+                fail_value("LoaderState", "stream_ranks", self.stream_ranks, what)
+            return
+        state = json_copy("LoaderState", "stream_state", self.stream_state)
+        object.__setattr__(self, "stream_state", state)
+        if self.stream_ranks < 1:
+            what = ">= 1 (the data-parallel ranks that saved stream_state)"
+            fail_value("LoaderState", "stream_ranks", self.stream_ranks, what)
+        if self.global_batches == 0:
+            what = ">= 1 when stream_state is set (it is the position after them)"
+            fail_value("LoaderState", "global_batches", 0, what, _FIX_START)
 
-    def to_dict(self) -> dict[str, int]:
-        """Return the state as a plain JSON-able dict.
+    def __repr__(self) -> str:
+        # The stream's fields only when set: the common state reads as before.
+        text = (
+            f"LoaderState(epoch={self.epoch}, global_batches={self.global_batches}, "
+            f"global_batch_size={self.global_batch_size}"
+        )
+        if self.stream_state is None:
+            return text + ")"
+        return (
+            f"{text}, stream_state={self.stream_state!r}, "
+            f"stream_ranks={self.stream_ranks})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the state as a plain JSON-able dict (the stream's keys only when set).
 
         >>> LoaderState(epoch=1).to_dict()
         {'epoch': 1, 'global_batches': 0, 'global_batch_size': 0}
         """
-        return {
+        data: dict[str, Any] = {
             "epoch": self.epoch,
             "global_batches": self.global_batches,
             "global_batch_size": self.global_batch_size,
         }
+        if self.stream_state is not None:
+            data["stream_state"] = json_copy(
+                "LoaderState.to_dict", "stream_state", self.stream_state
+            )
+            data["stream_ranks"] = self.stream_ranks
+        return data
 
     @classmethod
     def from_dict(cls, data: object) -> LoaderState:
@@ -75,13 +118,17 @@ class LoaderState:
         what = "a dict from LoaderState.to_dict()"
         data = check_type("LoaderState.from_dict", "data", data, dict, what=what)
         expected = {"epoch", "global_batches", "global_batch_size"}
-        keys, what = sorted(map(str, data)), f"exactly {sorted(expected)}"
-        if set(data) != expected:
+        streamed = expected | {"stream_state", "stream_ranks"}
+        keys = sorted(map(str, data))
+        what = f"exactly {sorted(expected)} or {sorted(streamed)}"
+        if set(data) != expected and set(data) != streamed:
             fail_value("LoaderState.from_dict", "the keys of data", keys, what, _FIX)
         return cls(
             epoch=data["epoch"],
             global_batches=data["global_batches"],
             global_batch_size=data["global_batch_size"],
+            stream_state=data.get("stream_state"),
+            stream_ranks=data.get("stream_ranks", 0),
         )
 
 
@@ -100,6 +147,9 @@ class Batch:
             complete), -1 with ``drop_last`` or when unknown (docs/loader.md#semantics-building-a-sharded-loader and docs/loader.md#semantics-dispatch-mode).
         epoch: The epoch this batch belongs to.
         total_batch_size: The loader's global batch size ``G`` (``None`` if dynamic).
+        stream_state: A stateful stream's ``state_dict()`` after this global batch
+            (``None`` for other loaders); ``state`` carries it.
+        stream_ranks: The data-parallel ranks of the loader (0 without a stream state).
     """
 
     data: Any
@@ -108,6 +158,8 @@ class Batch:
     remainder: int
     epoch: int
     total_batch_size: int | None
+    stream_state: Any = None
+    stream_ranks: int = 0
 
     @property
     def state(self) -> LoaderState:
@@ -122,6 +174,8 @@ class Batch:
             epoch=self.epoch,
             global_batches=self.index + 1,
             global_batch_size=self.total_batch_size or 0,
+            stream_state=self.stream_state,
+            stream_ranks=self.stream_ranks if self.stream_state is not None else 0,
         )
 
 
@@ -133,6 +187,9 @@ _SET_DATA, _SET_INDEX, _SET_IS_LAST, _SET_REMAINDER, _SET_EPOCH, _SET_TOTAL = (
     getattr(Batch, name).__set__
     for name in ("data", "index", "is_last", "remainder", "epoch", "total_batch_size")
 )
+_SET_STREAM, _SET_RANKS = (
+    getattr(Batch, name).__set__ for name in ("stream_state", "stream_ranks")
+)
 
 
 def make_batch(
@@ -142,6 +199,8 @@ def make_batch(
     remainder: int,
     epoch: int,
     total_batch_size: int | None,
+    stream_state: Any = None,
+    stream_ranks: int = 0,
 ) -> Batch:
     """Return ``Batch(data=data, index=index, ...)``, built faster.
 
@@ -157,4 +216,6 @@ def make_batch(
     _SET_REMAINDER(batch, remainder)
     _SET_EPOCH(batch, epoch)
     _SET_TOTAL(batch, total_batch_size)
+    _SET_STREAM(batch, stream_state)
+    _SET_RANKS(batch, stream_ranks)
     return batch

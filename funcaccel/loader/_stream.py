@@ -26,6 +26,8 @@ from funcaccel.loader._setup import Setup
 from funcaccel.loader._state import Batch
 from funcaccel.loader._state import LoaderState
 from funcaccel.loader._state import make_batch
+from funcaccel.loader._stateful import Resume
+from funcaccel.loader._stateful import StatefulStream
 from funcaccel.rng import sync_rng_states
 from funcaccel.sharding import shard_batch_sampler
 
@@ -162,20 +164,30 @@ def _skip_exactly(
             raise past_the_end(epoch, skip // group, batches, setup.total_batch_size)
 
 
-def open_epoch(setup: Setup, epoch: int, skip: int) -> Iterator[Any]:
+def open_epoch(
+    setup: Setup, epoch: int, skip: int, stream_state: Any = None
+) -> Iterator[Any]:
     """Start ``epoch`` and return this rank's batch iterator.
 
     The epoch's start: docs/loader.md#semantics-epoch-order-and-rng-synchronisation.
 
     The iterator is the inner ``DataLoader``'s own, positioned after this rank's
-    first ``skip`` batches: for map-style data only indices were skipped; for
-    iterable data the skipped batches were read and dropped.
+    first ``skip`` batches: for map-style data only indices were skipped; a
+    stateful stream given its ``stream_state`` loads it (docs/data.md); other
+    iterable data has the skipped batches read and dropped.
     """
     _start_epoch(setup, epoch, skip)
     assert setup.inner is not None  # only dispatch ranks > 0 have none
     if setup.base is None:
+        jump = setup.stateful and skip > 0 and stream_state is not None
+        if setup.stateful:
+            stream: Any = setup.inner.dataset
+            total = setup.total_batch_size
+            assert isinstance(stream, StatefulStream) and total is not None
+            stream.load_(Resume(skip * total, stream_state) if jump else None)
         batches = iter(setup.inner)
-        _skip_exactly(setup, batches, skip, epoch)
+        if not jump:
+            _skip_exactly(setup, batches, skip, epoch)
         return batches
     ctx, stream = setup.view, setup.base.for_epoch(epoch)
     indices: Iterator[Any]
@@ -201,7 +213,7 @@ def local_batches(setup: Setup, epoch: int) -> Iterator[Any]:
     batches = open_epoch(setup, epoch, 0)
     device = setup.ctx.device if setup.put_on_device else None
     non_blocking = setup.non_blocking
-    if setup.counted:
+    if setup.counted or setup.stateful:
         batches = (data for data, _ in batches)
     if device is None:
         yield from batches
@@ -246,10 +258,19 @@ def _dispatch_base(
     yield from read_batches(setup.inner, indices, batched=setup.base.fetch_batched)
 
 
-def records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
-    """Yield the ``Batch`` records of ``epoch`` after this rank's first ``skip``."""
+def records(
+    setup: Setup, epoch: int, skip: int, stream_state: Any = None
+) -> Iterator[Batch]:
+    """Yield the ``Batch`` records of ``epoch`` after this rank's first ``skip``.
+
+    ``stream_state`` is a stateful stream's position after those batches
+    (``LoaderState.stream_state``); other loaders ignore it.
+    """
     if setup.dispatch:
         yield from _dispatched_records(setup, epoch, skip)
+        return
+    if setup.stateful:
+        yield from _stateful_records(setup, epoch, skip, stream_state)
         return
     if setup.counted:
         yield from _counted_records(setup, epoch, skip)
@@ -302,6 +323,33 @@ def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     if device is not None:
         data = send_tree(data, device, setup.non_blocking)
     yield make_batch(data, index, True, seen % total, epoch, total)
+
+
+def _stateful_records(
+    setup: Setup, epoch: int, skip: int, stream_state: Any
+) -> Iterator[Batch]:
+    """``records`` for a ``StatefulStream``: each record carries the stream's state."""
+    total, n = setup.total_batch_size, _epoch_samples(setup)
+    assert total is not None  # stream_resumes
+    ranks = setup.view.num_processes
+    device = setup.ctx.device if setup.put_on_device else None
+    fixed = -1 if setup.drop_last or n is None else n % total
+    items = open_epoch(setup, epoch, skip, stream_state)
+    current: Any = next(items, _END)
+    if current is _END:
+        return
+    index = skip
+    for following in items:
+        data, tag = current
+        if device is not None:
+            data = send_tree(data, device, setup.non_blocking)
+        yield make_batch(data, index, False, fixed, epoch, total, tag.state, ranks)
+        current, index = following, index + 1
+    data, tag = current
+    if device is not None:
+        data = send_tree(data, device, setup.non_blocking)
+    last = fixed if n is not None or setup.drop_last else tag.seen % total
+    yield make_batch(data, index, True, last, epoch, total, tag.state, ranks)
 
 
 def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:

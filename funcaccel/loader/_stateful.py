@@ -1,0 +1,165 @@
+"""A stream that says where it stands: the O(1) resume of a stateful iterable dataset.
+
+A *stateful* dataset is an iterable dataset with ``state_dict()`` and
+``load_state_dict(state)`` (a ``datasets.IterableDataset``, or a dataset of your
+own): ``state_dict()`` taken between two samples is the position after the sample
+yielded last, and an iteration after ``load_state_dict(state)`` continues from
+there. ``StatefulStream`` reads such a dataset in global batches of ``G`` samples,
+exactly as ``shard_iterable_dataset`` does, and tags this rank's samples of each
+with the source's state after that global batch, so that the loader can hand the
+state out with the batch (``Batch.state``) and a resume can load it instead of
+reading the skipped samples again. Every rank reads the whole stream, so the
+state after ``k`` global batches is the same on every rank and for every world
+size: a resume on another world size continues the same global order.
+
+The rules: docs/data.md#resuming-a-stream.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import IterableDataset
+
+__all__ = ["Resume", "StatefulStream", "is_stateful", "StreamTag"]
+
+
+def is_stateful(dataset: object) -> bool:
+    """Whether ``dataset`` is an iterable dataset with ``state_dict`` and ``load_state_dict``.
+
+    >>> class Counter(IterableDataset[int]):
+    ...     def __iter__(self): return iter(range(3))
+    ...     def state_dict(self): return {}
+    ...     def load_state_dict(self, state): pass
+    >>> is_stateful(Counter()), is_stateful(range(3))
+    (True, False)
+    """
+    return (
+        isinstance(dataset, IterableDataset)
+        and callable(getattr(dataset, "state_dict", None))
+        and callable(getattr(dataset, "load_state_dict", None))
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTag:
+    """What each sample of a ``StatefulStream`` carries.
+
+    Attributes:
+        seen: Samples of the epoch read so far, skipped ones included.
+        state: The source's ``state_dict()`` after the global batch the sample
+            belongs to; ``None`` in the padded last global batch.
+    """
+
+    seen: int
+    state: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Where the next iteration of a ``StatefulStream`` starts.
+
+    Attributes:
+        consumed: Samples of the epoch already consumed (whole global batches).
+        state: The source's ``state_dict()`` after them.
+    """
+
+    consumed: int
+    state: Any
+
+
+class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
+    """This rank's samples of a stateful stream, each with a ``StreamTag``.
+
+    Global batches of ``size`` samples are read one at a time; this rank keeps
+    positions ``[lo, hi)`` of each. With ``pad`` a last partial global batch is
+    padded from the epoch's first global batch (or from itself when none was
+    full), as ``shard_iterable_dataset`` pads; without it (one process) it is
+    kept short, or dropped with ``drop_last``.
+
+    ``load_(resume)`` makes the next ``iter()`` continue after ``resume``: the
+    source is deep-copied and the copy loaded, so the caller's dataset never
+    changes position; nothing of the skipped samples is read (the padding of a
+    last partial global batch reads the epoch's first one again).
+
+    >>> class Numbers(IterableDataset[int]):
+    ...     def __init__(self): self.at = 0
+    ...     def __iter__(self):
+    ...         while self.at < 5:
+    ...             self.at += 1
+    ...             yield self.at - 1
+    ...         self.at = 0
+    ...     def state_dict(self): return {"at": self.at}
+    ...     def load_state_dict(self, state): self.at = state["at"]
+    >>> stream = StatefulStream(Numbers(), size=2, lo=0, hi=2, pad=True, drop_last=False)
+    >>> [(x, t.seen, t.state) for x, t in stream]
+    [(0, 2, {'at': 2}), (1, 2, {'at': 2}), (2, 4, {'at': 4}), (3, 4, {'at': 4}), (4, 5, None), (0, 5, None)]
+    >>> stream.load_(Resume(consumed=2, state={"at": 2}))
+    >>> [x for x, _ in stream]
+    [2, 3, 4, 0]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        size: int,
+        lo: int,
+        hi: int,
+        pad: bool,
+        drop_last: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.size, self.lo, self.hi = size, lo, hi
+        self.pad, self.drop_last = pad, drop_last
+        self._resume: Resume | None = None
+
+    def load_(self, resume: Resume | None) -> None:
+        """Make the next ``iter()`` start after ``resume`` (``None``: at the epoch's start)."""
+        self._resume = resume
+
+    def _head(self) -> list[Any]:
+        """Read the epoch's first global batch from the (never loaded) dataset."""
+        head: list[Any] = []
+        for sample in self.dataset:
+            head.append(sample)
+            if len(head) == self.size:
+                break
+        return head
+
+    def _source(self, resume: Resume | None) -> Any:
+        if resume is None:
+            return self.dataset
+        source = copy.deepcopy(self.dataset)
+        source.load_state_dict(copy.deepcopy(resume.state))
+        return source
+
+    def __iter__(self) -> Iterator[tuple[Any, StreamTag]]:
+        resume, size, lo, hi = self._resume, self.size, self.lo, self.hi
+        source = self._source(resume)
+        seen = 0 if resume is None else resume.consumed
+        first: list[Any] | None = None  # the epoch's first full global batch
+        buffer: list[Any] = []
+        for sample in source:
+            buffer.append(sample)
+            if len(buffer) == size:
+                seen += size
+                tag = StreamTag(seen, source.state_dict())
+                yield from ((kept, tag) for kept in buffer[lo:hi])
+                if seen == size:  # not resumed: the epoch's first global batch
+                    first = buffer
+                buffer = []
+        if not buffer or self.drop_last:
+            return
+        seen += len(buffer)
+        end = StreamTag(seen, None)
+        if self.pad:
+            if first is None:
+                # Resumed after at least one full global batch: read the first again.
+                first = buffer if seen < size else self._head()
+            # The loop-back of shard_iterable_dataset: cycle through ``first``.
+            buffer += [first[t % len(first)] for t in range(size - len(buffer))]
+        yield from ((kept, end) for kept in buffer[lo:hi])
