@@ -41,6 +41,7 @@ from funcaccel.context import DistributedType as DistributedType
 from funcaccel.context import build_context as build_context
 from funcaccel.context import close_context as close_context
 from funcaccel.context import context_from_env as context_from_env
+from funcaccel.flops import count_flops as count_flops
 from funcaccel.grad_state import GradState as GradState
 from funcaccel.grad_state import advance_grad_state as advance_grad_state
 from funcaccel.grad_state import should_skip_grad_sync as should_skip_grad_sync
@@ -90,6 +91,9 @@ from funcaccel.sharding import ShardedBatchSampler as ShardedBatchSampler
 from funcaccel.sharding import ShardedIterableDataset as ShardedIterableDataset
 from funcaccel.sharding import shard_batch_sampler as shard_batch_sampler
 from funcaccel.sharding import shard_iterable_dataset as shard_iterable_dataset
+from funcaccel.throughput import Throughput as Throughput
+from funcaccel.throughput import measure_throughput as measure_throughput
+from funcaccel.throughput import peak_flops as peak_flops
 
 if TYPE_CHECKING:
     from funcaccel.batch_size import (

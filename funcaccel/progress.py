@@ -4,7 +4,9 @@
 rank. On the main process it also shows progress on stderr: a tqdm bar when tqdm is
 importable and stderr is a terminal, otherwise (a log file, a pipe, no tqdm) a plain
 line every ``every`` items and after the last one. Other ranks print nothing, so a
-run on 8 processes shows one bar, not 8.
+run on 8 processes shows one bar, not 8. Given ``throughput=``, a function that
+returns the latest window's ``Throughput`` (or ``None`` before the first), the
+display adds its rates (tokens/s, TFLOP/s per device, MFU) to each line or bar.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Sized
@@ -25,6 +28,7 @@ from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._ctx_checks import check_context
 from funcaccel.context import DistributedContext
+from funcaccel.throughput import Throughput
 
 __all__ = ["progress"]
 
@@ -34,8 +38,13 @@ _UNSIZED_EVERY: Final = 100
 _LINES_WHEN_SIZED: Final = 10
 
 
+Rates = Callable[[], Throughput | None]
+
+
 class _Bar(Protocol):
     def update(self, n: int = 1) -> object: ...
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> object: ...
 
     def close(self) -> None: ...
 
@@ -60,27 +69,49 @@ def _stderr_is_terminal() -> bool:
     return bool(isatty()) if callable(isatty) else False
 
 
+def _rates(throughput: Rates | None) -> str:
+    """The latest window's rates, or "" without one."""
+    latest = None if throughput is None else throughput()
+    if latest is None:
+        return ""
+    if not isinstance(latest, Throughput):
+        fail_type("progress", "throughput()", latest, "a Throughput or None")
+    return latest.describe()
+
+
 def _bar_items(
-    factory: _BarFactory, items: Iterable[T], total: int | None, desc: str | None
+    factory: _BarFactory,
+    items: Iterable[T],
+    total: int | None,
+    desc: str | None,
+    throughput: Rates | None,
 ) -> Iterator[T]:
     bar = factory(total=total, desc=desc)
     try:
         for item in items:
             yield item
+            rates = _rates(throughput)
+            if rates:
+                bar.set_postfix_str(rates, refresh=False)
             bar.update(1)
     finally:
         bar.close()
 
 
-def _line(label: str, done: int, total: int | None, start: float) -> str:
+def _line(label: str, done: int, total: int | None, start: float, rates: str) -> str:
     elapsed = time.monotonic() - start
+    tail = f", {rates}" if rates else ""
     if total:
-        return f"{label}: {done}/{total} ({100 * done / total:.0f}%) in {elapsed:.1f}s"
-    return f"{label}: {done} in {elapsed:.1f}s"
+        return f"{label}: {done}/{total} ({100 * done / total:.0f}%) in {elapsed:.1f}s{tail}"
+    return f"{label}: {done} in {elapsed:.1f}s{tail}"
 
 
 def _plain_items(
-    items: Iterable[T], total: int | None, desc: str | None, every: int
+    items: Iterable[T],
+    total: int | None,
+    desc: str | None,
+    every: int,
+    throughput: Rates | None,
 ) -> Iterator[T]:
     label = desc or "progress"
     start = time.monotonic()
@@ -89,9 +120,11 @@ def _plain_items(
         yield item
         done += 1
         if done % every == 0:
-            print(_line(label, done, total, start), file=sys.stderr, flush=True)
+            line = _line(label, done, total, start, _rates(throughput))
+            print(line, file=sys.stderr, flush=True)
     if done % every != 0 or done == 0:
-        print(_line(label, done, total, start), file=sys.stderr, flush=True)
+        line = _line(label, done, total, start, _rates(throughput))
+        print(line, file=sys.stderr, flush=True)
 
 
 def progress(
@@ -101,6 +134,7 @@ def progress(
     total: int | None = None,
     desc: str | None = None,
     every: int | None = None,
+    throughput: Rates | None = None,
 ) -> Iterator[T]:
     """Yield the items of ``iterable``, showing progress on the main process only.
 
@@ -117,13 +151,17 @@ def progress(
         every: the plain display prints a line every ``every`` items (and after
             the last one); by default about 10 lines when the total is known,
             else every 100 items. tqdm refreshes by time and ignores it.
+        throughput: called (on the main process) each time the display is
+            updated; the ``Throughput`` it returns is shown after the count
+            (``"..., 2,500 tok/s, MFU 41.0%"``), ``None`` shows nothing.
 
     Returns:
         An iterator over the same items.
 
     Raises:
         TypeError: ``ctx``, ``iterable``, ``total``, ``desc`` or ``every`` of the
-            wrong type.
+            wrong type; a ``throughput`` that is not callable, or that returns
+            something other than a ``Throughput`` or ``None`` (when called).
         ValueError: a negative ``total`` or an ``every`` below 1.
     """
     check_context("progress", ctx)
@@ -134,6 +172,14 @@ def progress(
     if every is not None:
         check_int("progress", "every", every, 1)
     check_type("progress", "desc", desc, str, optional=True)
+    if throughput is not None and not callable(throughput):
+        fail_type(
+            "progress",
+            "throughput",
+            throughput,
+            "a function returning a Throughput or None",
+            "Pass e.g. throughput=lambda: latest.",
+        )
     if not ctx.is_main_process:
         return iter(iterable)
     if total is None and isinstance(iterable, Sized):
@@ -141,9 +187,9 @@ def progress(
     # A bar redrawn with carriage returns is noise in a log file: lines there.
     factory = _load_tqdm() if _stderr_is_terminal() else None
     if factory is not None:
-        return _bar_items(factory, iterable, total, desc)
+        return _bar_items(factory, iterable, total, desc, throughput)
     if every is None:
         every = (
             max(1, math.ceil(total / _LINES_WHEN_SIZED)) if total else _UNSIZED_EVERY
         )
-    return _plain_items(iterable, total, desc, every)
+    return _plain_items(iterable, total, desc, every, throughput)

@@ -11,6 +11,7 @@ import pytest
 
 from funcaccel.context import DistributedContext
 from funcaccel.progress import progress
+from funcaccel.throughput import Throughput
 from tests.fixtures import rank_ctx
 
 MAIN = DistributedContext()
@@ -134,6 +135,7 @@ def test_progress_prints_nothing_before_the_first_item(
         ({"total": 2.0}, TypeError, r"total must be an int; got 2\.0 \(float\)"),
         ({"every": 0}, ValueError, r"progress: every \(0\) must be >= 1"),
         ({"desc": 3}, TypeError, r"desc must be a str or None; got 3 \(int\)"),
+        ({"throughput": 3}, TypeError, r"progress: throughput must be a function"),
     ],
 )
 def test_progress_rejects_bad_arguments(
@@ -142,3 +144,41 @@ def test_progress_rejects_bad_arguments(
     arguments: dict[str, Any] = {"ctx": MAIN, "iterable": [1], **kwargs}
     with pytest.raises(error, match=match):
         progress(arguments.pop("ctx"), arguments.pop("iterable"), **arguments)
+
+
+def test_progress_plain_lines_show_the_latest_throughput(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_tqdm(monkeypatch)
+    windows: list[Throughput] = []
+
+    def latest() -> Throughput | None:
+        return windows[-1] if windows else None
+
+    for n in progress(MAIN, range(4), desc="train", every=2, throughput=latest):
+        if n == 1:  # a window ends after the second item
+            windows.append(
+                Throughput(
+                    seconds=2.0, tokens=5000, flops=8e14, peak_flops_per_device=1e15
+                )
+            )
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(
+        r"train: 2/4 \(50%\) in \d+\.\ds, 2,500 tok/s, 400 TFLOP/s/device, MFU 40\.0%",
+        lines[0],
+    ), lines
+    assert lines[1].endswith("MFU 40.0%") and lines[1].startswith("train: 4/4")
+
+
+def test_progress_tqdm_bar_shows_the_throughput(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("tqdm")
+    _terminal(monkeypatch, True)
+    rate = Throughput(seconds=1.0, samples=12)
+    list(progress(MAIN, range(3), desc="fit", throughput=lambda: rate))
+    assert re.search(r"fit: 100%.*3/3.*12\.0 samples/s", capsys.readouterr().err)
+    with pytest.raises(
+        TypeError, match=r"progress: throughput\(\) must be a Throughput"
+    ):
+        list(progress(MAIN, range(1), throughput=lambda: 5))  # type: ignore[arg-type,return-value]
