@@ -85,6 +85,10 @@ from funcaccel.model import wrap_deepspeed as wrap_deepspeed
 from funcaccel.model import wrap_fsdp as wrap_fsdp
 from funcaccel.model import wrap_mesh as wrap_mesh
 from funcaccel.model import wrap_model as wrap_model
+from funcaccel.packing import PackedDocuments as PackedDocuments
+from funcaccel.packing import count_targets as count_targets
+from funcaccel.packing import document_attention_mask as document_attention_mask
+from funcaccel.packing import pack_documents as pack_documents
 from funcaccel.progress import progress as progress
 from funcaccel.rng import sync_rng_states as sync_rng_states
 from funcaccel.sharding import ShardedBatchSampler as ShardedBatchSampler
