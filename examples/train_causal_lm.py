@@ -17,7 +17,10 @@ token of a window counts the same whatever the padding, the window size or the
 rank it landed on; bf16 autocast (``--mixed-precision no`` turns it off); FSDP2
 with the decoder block class as the sharded unit; asynchronous checkpoints every
 ``--save-every`` optimizer steps, the handle threaded into the next save; resume
-with ``--resume``; and a final ``save_model`` export (safetensors, plus
+with ``--resume``; throughput as a value (``measure_throughput`` at each optimizer
+step: the tokens every rank scored, padding excluded, samples, ``count_flops``
+FLOPs; tokens/s, TFLOP/s per device and, with ``--peak-flops``, MFU), logged to
+the tracker and shown on the progress line; and a final ``save_model`` export (safetensors, plus
 ``config.json`` and the character vocabulary) that
 ``AutoModelForCausalLM.from_pretrained`` loads back, checked to give the trained
 model's logits bit for bit. The main process prints one line per epoch, then
@@ -34,7 +37,9 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -75,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10, help="optimizer steps")
     parser.add_argument("--resume", action="store_true", help="from --checkpoint-dir")
     parser.add_argument("--stop-after", type=int, default=None, help="optimizer steps")
+    parser.add_argument(
+        "--peak-flops",
+        default=None,
+        help="one device's peak FLOP/s (a number, or a name such as H100) for MFU",
+    )
     parser.add_argument(
         "--run-dir",
         type=Path,
@@ -199,23 +209,57 @@ def default_run_dir(ctx: fa.DistributedContext) -> Path:
 
 
 @dataclass
-class TokenMeter:
-    """This rank's summed loss and token count, over a window or an epoch."""
+class Window:
+    """This rank's counts over a window or an epoch, from ``start`` (monotonic)."""
 
     start: float
     loss_sum: float = 0.0
-    tokens: int = 0
+    tokens: int = 0  # scored: the padding is not counted
+    samples: int = 0
+    flops: int = 0  # count_flops of each micro-batch
 
-    def add(self, loss: torch.Tensor, tokens: int) -> None:
+    def add(self, loss: torch.Tensor, tokens: int, samples: int, flops: int) -> None:
         self.loss_sum += loss.item() * tokens  # loss is the micro-batch's mean
         self.tokens += tokens
+        self.samples += samples
+        self.flops += flops
 
-    def summary(self, ctx: fa.DistributedContext) -> tuple[float, float]:
-        """``(loss per token, tokens per second)`` over every rank: a collective."""
-        totals = torch.tensor([self.loss_sum, self.tokens], dtype=torch.float64)
-        loss_sum, tokens = fa.reduce(ctx, totals).tolist()
-        seconds = max(time.monotonic() - self.start, 1e-9)
-        return loss_sum / max(tokens, 1), tokens / seconds
+    def throughput(
+        self, ctx: fa.DistributedContext, peak: float | str | None
+    ) -> fa.Throughput:
+        """Tokens/s, samples/s, TFLOP/s and MFU over every rank: a collective."""
+        return fa.measure_throughput(
+            ctx,
+            seconds=max(time.monotonic() - self.start, 1e-9),
+            tokens=self.tokens,
+            samples=self.samples,
+            flops=self.flops,
+            peak_flops_per_device=peak,
+        )
+
+
+def flops_counter(model: nn.Module) -> Callable[[torch.Tensor], int]:
+    """FLOPs of one forward and backward pass on a batch of ``input_ids`` (exact).
+
+    A Llama's FLOPs per row of width ``w`` are ``a * w + b * w**2``: the
+    projections grow with ``w``, attention with ``w**2``. ``count_flops`` on one
+    row of width 8 and one of 16 gives ``a`` and ``b``; the padding counts, as
+    the model computes on it.
+    """
+
+    def count(width: int) -> int:
+        ids = torch.zeros((1, width), dtype=torch.long)
+        return fa.count_flops(model, {"input_ids": ids, "labels": ids})
+
+    f8, f16 = count(8), count(16)  # 8a + 64b and 16a + 256b
+    b = Fraction(f16 - 2 * f8, 128)
+    a = (f8 - 64 * b) / 8
+
+    def flops(input_ids: torch.Tensor) -> int:
+        rows, width = input_ids.shape
+        return int(rows * (a * width + b * width * width))
+
+    return flops
 
 
 def evaluate(
@@ -285,6 +329,16 @@ def export(
     print(f"sample: {greedy_sample(loaded, tok, 'the cat')}")
 
 
+def _peak(text: str | None) -> float | str | None:
+    """``--peak-flops``: a number of FLOP/s, a device name, or ``None``."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text  # a name; Throughput looks it up (and names the known ones)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ctx = fa.build_context(mixed_precision=args.mixed_precision, cpu=True)
@@ -316,6 +370,8 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
         ctx, DataLoader(eval_rows, batch_size=16, collate_fn=collate)
     )
     net = build_model(ctx, args, len(tok.vocab))
+    flops_of = flops_counter(net)  # before sharding: count_flops wants it whole
+    peak = _peak(args.peak_flops)
     fsdp = fa.FSDPOptions(shard_modules=(LlamaDecoderLayer,))
     model = fa.wrap_model(ctx, net, fsdp=fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -347,14 +403,16 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     for epoch in range(start.epoch, args.epochs):
         fresh = fa.LoaderState(epoch=epoch)
         state = start if epoch == start.epoch else fresh
-        meter = TokenMeter(start=time.monotonic())
-        window = TokenMeter(start=time.monotonic())
+        meter = Window(start=time.monotonic())
+        window = Window(start=time.monotonic())
+        rates: fa.Throughput | None = None  # the last window's, on the progress line
         batches = fa.progress(
             ctx,
             fa.iter_batches(loader, state),
             total=len(loader) if state == fresh else None,
             desc=f"epoch {epoch + 1}/{args.epochs}",
             every=max(1, len(loader) // 4),
+            throughput=lambda: rates,
         )
         for batch in batches:
             inputs = batch.data
@@ -373,22 +431,25 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
                 max_grad_norm=args.max_grad_norm,
             )
             fa.maybe_step_scheduler(ctx, scheduler, grad, loader=loader)
-            meter.add(loss, int(n))
-            window.add(loss, int(n))
+            rows, flops = len(inputs["input_ids"]), flops_of(inputs["input_ids"])
+            meter.add(loss, int(n), rows, flops)
+            window.add(loss, int(n), rows, flops)
             if not grad.sync_gradients:
                 continue
             step = grad.optimizer_steps
+            rates = window.throughput(ctx, peak)  # every rank: a collective
             fa.log_metrics(
                 ctx,
                 trackers,
-                {  # rank 0's share of the window
-                    "loss": window.loss_sum / max(window.tokens, 1),
-                    "tokens": window.tokens,
+                {
+                    "loss": window.loss_sum / max(window.tokens, 1),  # rank 0's share
+                    "tokens": rates.tokens or 0,  # every rank's, padding excluded
                     "lr": float(scheduler.get_last_lr()[0]),
+                    **rates.metrics(),
                 },
                 step=step,
             )
-            window = TokenMeter(start=time.monotonic())
+            window = Window(start=time.monotonic())
             stopped = args.stop_after is not None and step >= args.stop_after
             if args.checkpoint_dir is not None and (
                 step % args.save_every == 0 or stopped
@@ -410,11 +471,13 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
                 break
         if stopped:
             break
-        epoch_loss, rate = meter.summary(ctx)
+        rate = meter.throughput(ctx, peak)
+        loss_sum = fa.reduce(ctx, torch.tensor(meter.loss_sum, dtype=torch.float64))
+        epoch_loss = float(loss_sum) / max(rate.tokens or 0, 1)
         fa.print_main(
             ctx,
             f"epoch {epoch + 1}/{args.epochs}: loss {epoch_loss:.4f} per token, "
-            f"lr {float(scheduler.get_last_lr()[0]):.2e}, {rate:.0f} tokens/s",
+            f"lr {float(scheduler.get_last_lr()[0]):.2e}, {rate.describe()}",
         )
         fa.log_metrics(
             ctx, trackers, {"epoch_loss": epoch_loss}, step=grad.optimizer_steps

@@ -11,7 +11,10 @@ operations that dominate a step), each ``(m x k) @ (k x n)`` as ``2 * m * n * k`
 element-wise work (activations, norms, the optimizer) is not counted. For an
 ``nn.Linear`` the backward pass is two more products of the same size (the
 weight's gradient and the input's), so a layer whose input needs a gradient costs
-3x its forward, and the first layer (its input is data) 2x.
+3x its forward, and the first layer (its input is data) 2x. Attention through
+``scaled_dot_product_attention`` counts its two products forward and five
+backward (the scores are recomputed), causal or not, as torch counts its GPU
+kernels; the CPU kernel, which torch's table leaves out, is counted the same way.
 """
 
 from __future__ import annotations
@@ -54,6 +57,33 @@ def _default_loss(output: object) -> torch.Tensor:
             "Pass loss_fn=... to turn the output into a scalar loss.",
         )
     return torch.stack(floats).sum()
+
+
+def _attention(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    """The CPU attention kernel's FLOPs, by torch's formula for its GPU kernels."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    del args, kwargs  # dropout, causal flag, scale, the output's shape
+    return int(sdpa_flop_count(q, k, v))
+
+
+def _attention_backward(
+    grad: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any
+) -> int:
+    """The CPU attention backward's FLOPs, by torch's formula for its GPU kernels."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    del args, kwargs  # the output, log-sum-exp, dropout, causal flag, scale
+    return int(sdpa_backward_flop_count(grad, q, k, v))
+
+
+def _cpu_attention() -> dict[Any, Any]:
+    """Formulas for the CPU attention kernel, which torch's table leaves out."""
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,
+    }
 
 
 def _call(model: nn.Module, state: dict[str, Any], batch: object) -> object:
@@ -134,7 +164,7 @@ def count_flops(
             "False for a model with no parameter that requires a gradient",
             "Pass backward=False, or unfreeze a parameter.",
         )
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention())
     with mode, counter:
         output = _call(model, state, batch)
         if backward:

@@ -39,7 +39,10 @@ TINY: list[object] = [
     "--sentences", "48", "--batch-size", "4", "--accumulation-steps", "5",
     "--epochs", "2", "--hidden", "32",
 ]  # fmt: skip
-EPOCH_LINE = r"^epoch (\d)/2: loss (\d+\.\d{4}) per token, lr \S+, \d+ tokens/s$"
+EPOCH_LINE = (
+    r"^epoch (\d)/2: loss (\d+\.\d{4}) per token, lr \S+, [\d,]+ tok/s, "
+    r"[\d.]+ samples/s, \S+ TFLOP/s/device(, MFU [\d.]+%)?$"
+)
 
 
 def _finished(args: list[object], *, processes: int = 1) -> Finished:
@@ -56,8 +59,8 @@ def _value(out: str, key: str) -> str:
 
 def _assert_trained(out: str, steps: int, run_dir: Path) -> None:
     epochs = re.findall(EPOCH_LINE, out, flags=re.MULTILINE)
-    assert [e for e, _ in epochs] == ["1", "2"], out
-    assert all(0 < float(loss) < 10 for _, loss in epochs), out
+    assert [e for e, _, _ in epochs] == ["1", "2"], out
+    assert all(0 < float(loss) < 10 for _, loss, _ in epochs), out
     assert int(_value(out, "optimizer_steps")) == steps
     assert 0 < float(_value(out, "eval_loss")) < 10
     assert _value(out, "from_pretrained") == "identical logits"
@@ -69,7 +72,13 @@ def _assert_trained(out: str, steps: int, run_dir: Path) -> None:
     ]
     logged = [r for r in records if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, steps + 1))
-    assert all(r["tokens"] > 0 for r in logged)
+    # Each window logs the tokens every rank scored in it (Throughput, padding
+    # excluded): over both epochs, twice each training sentence's tokens after
+    # the first, counted here from the text (BOS + characters + EOS, minus one).
+    texts = _example().sentences(48 + 64, seed=0)[:48]
+    assert sum(r["tokens"] for r in logged) == 2 * sum(len(t) + 1 for t in texts)
+    assert all(r["tokens_per_second"] > 0 < r["tflops_per_device"] for r in logged)
+    assert all(("mfu" in r) == bool(epochs[0][2]) for r in logged)
 
 
 def _probe(vocab_size: int) -> dict[str, torch.Tensor]:
@@ -136,7 +145,7 @@ def test_two_processes_under_torchrun_with_bf16_and_fsdp2(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     done = _finished(
         [*TINY, "--run-dir", run_dir, "--checkpoint-dir", tmp_path / "ckpt",
-         "--save-every", "1"],
+         "--save-every", "1", "--peak-flops", "1e12"],
         processes=2,
     )  # fmt: skip
     _assert_trained(done.stdout, 2 * 2, run_dir)

@@ -139,3 +139,29 @@ def test_count_flops_refuses_what_it_cannot_count() -> None:
 
     with pytest.raises(ValueError, match=r"loss_fn=\.\.\."):
         count_flops(_Ints(), torch.zeros(2))
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        out: torch.Tensor = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True
+        )
+        return out
+
+
+def test_count_flops_counts_scaled_dot_product_attention_on_cpu() -> None:
+    b, s, dim, heads = 2, 6, 8, 2
+    x = torch.randn(b, s, dim)
+    products = b * heads * _mm(s, s, dim // heads)  # one of q @ k^T, p @ v
+    qkv = _mm(b * s, 3 * dim, dim)
+    net = _Attention(dim)
+    assert count_flops(net, x, backward=False) == qkv + 2 * products
+    # Backward: the weight's gradient only (x is data), and five attention
+    # products (scores recomputed; the gradients of p, v, q and k).
+    assert count_flops(net, x) == 2 * qkv + 7 * products
