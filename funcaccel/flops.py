@@ -61,20 +61,22 @@ def _default_loss(output: object) -> torch.Tensor:
 
 def _attention(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
     """The CPU attention kernel's FLOPs, by torch's formula for its GPU kernels."""
-    from torch.utils.flop_counter import sdpa_flop_count
+    from torch.utils import flop_counter
 
     del args, kwargs  # dropout, causal flag, scale, the output's shape
-    return int(sdpa_flop_count(q, k, v))
+    formula: Callable[..., int] = flop_counter.sdpa_flop_count  # untyped in torch
+    return int(formula(q, k, v))
 
 
 def _attention_backward(
     grad: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any
 ) -> int:
     """The CPU attention backward's FLOPs, by torch's formula for its GPU kernels."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count
+    from torch.utils import flop_counter
 
     del args, kwargs  # the output, log-sum-exp, dropout, causal flag, scale
-    return int(sdpa_backward_flop_count(grad, q, k, v))
+    formula: Callable[..., int] = flop_counter.sdpa_backward_flop_count  # untyped
+    return int(formula(grad, q, k, v))
 
 
 def _cpu_attention() -> dict[Any, Any]:
