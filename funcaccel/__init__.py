@@ -75,8 +75,16 @@ from funcaccel.mixed_precision import clip_grad_value_ as clip_grad_value_
 from funcaccel.mixed_precision import optimizer_step as optimizer_step
 from funcaccel.mixed_precision import rescale_grads_ as rescale_grads_
 from funcaccel.mixed_precision import unscale_grads_ as unscale_grads_
+from funcaccel.model import ActivationCheckpointOptions as ActivationCheckpointOptions
+from funcaccel.model import CompileOptions as CompileOptions
+from funcaccel.model import CompileReport as CompileReport
 from funcaccel.model import DeepSpeedOptions as DeepSpeedOptions
 from funcaccel.model import FSDPOptions as FSDPOptions
+from funcaccel.model import (
+    apply_activation_checkpointing as apply_activation_checkpointing,
+)
+from funcaccel.model import compile_blocks as compile_blocks
+from funcaccel.model import compile_report as compile_report
 from funcaccel.model import materialize_meta as materialize_meta
 from funcaccel.model import move_optimizer_state_ as move_optimizer_state_
 from funcaccel.model import unwrap_model as unwrap_model

@@ -7,11 +7,22 @@ hybrid parallelism on a ``ParallelMesh``), ``wrap_deepspeed`` (``_deepspeed.py``
 with ``DeepSpeedOptions`` in ``_deepspeed_options.py``) and ``materialize_meta``
 (``_meta.py``) for a model built on the ``meta`` device. ``_wrappers.py`` knows
 which modules are wrappers (``unwrap_model``); ``_rebind.py`` re-points
-optimizers at the parameters sharding replaced.
+optimizers at the parameters sharding replaced. The fast step's pieces:
+``CompileOptions`` / ``ActivationCheckpointOptions`` (``_compile_options.py``),
+``apply_activation_checkpointing`` (``_checkpointing.py``), ``compile_blocks``
+(``_compile_blocks.py``), ``compile_report`` (``_compile_report.py``), their
+order checks (``_fast_order.py``) and their place in ``wrap_model``
+(``_fast_step.py``).
 """
 
 from __future__ import annotations
 
+from funcaccel.model._checkpointing import apply_activation_checkpointing
+from funcaccel.model._compile_blocks import compile_blocks
+from funcaccel.model._compile_options import ActivationCheckpointOptions
+from funcaccel.model._compile_options import CompileOptions
+from funcaccel.model._compile_report import CompileReport
+from funcaccel.model._compile_report import compile_report
 from funcaccel.model._ddp import wrap_ddp
 from funcaccel.model._deepspeed import wrap_deepspeed
 from funcaccel.model._deepspeed_options import DeepSpeedOptions
@@ -24,8 +35,14 @@ from funcaccel.model._wrap import wrap_model
 from funcaccel.model._wrappers import unwrap_model
 
 __all__ = [
+    "ActivationCheckpointOptions",
+    "CompileOptions",
+    "CompileReport",
     "DeepSpeedOptions",
     "FSDPOptions",
+    "apply_activation_checkpointing",
+    "compile_blocks",
+    "compile_report",
     "materialize_meta",
     "move_optimizer_state_",
     "unwrap_model",

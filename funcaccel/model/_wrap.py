@@ -32,11 +32,15 @@ from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.mesh import ParallelMesh
+from funcaccel.model._compile_options import ActivationCheckpointOptions
+from funcaccel.model._compile_options import CompileOptions
 from funcaccel.model._ddp import changed_fields
 from funcaccel.model._ddp import check_ddp
 from funcaccel.model._ddp import ddp_
 from funcaccel.model._deepspeed import build_engine
 from funcaccel.model._deepspeed_options import DeepSpeedOptions
+from funcaccel.model._fast_step import check_fast_step
+from funcaccel.model._fast_step import then_wrap
 from funcaccel.model._fsdp import FSDP_OR_NONE
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp
@@ -73,6 +77,8 @@ def wrap_model(
     deepspeed: DeepSpeedOptions | None = None,
     scheduler: Stateful | None = None,
     grad: GradState | None = None,
+    compile: CompileOptions | None = None,
+    activation_checkpointing: ActivationCheckpointOptions | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``ctx.device`` in place, then wrap it for ``ctx``'s world.
 
@@ -95,6 +101,9 @@ def wrap_model(
             ``reset_parameters()``).
         deepspeed, scheduler, grad: a ZeRO engine's options, the scheduler it
             checkpoints and the run's ``GradState``.
+        compile, activation_checkpointing: per-block in-place compilation and
+            activation checkpointing, applied before sharding / DDP
+            (``apply_activation_checkpointing``, then ``compile_blocks``).
 
     Returns:
         ``model``, a ``DistributedDataParallel`` wrapping it, or DeepSpeed's engine.
@@ -111,9 +120,11 @@ def wrap_model(
     True
     """
     _check_arguments(ctx, model, ddp_kwargs, fsdp)
+    check_fast_step(_CALLER, model, activation_checkpointing, compile)
     opts = as_optimizers(_CALLER, optimizers)
     if deepspeed is not None or scheduler is not None or grad is not None:
-        _check_deepspeed_arguments(deepspeed, ddp_kwargs, fsdp, mesh, tp_plan)
+        given = (ddp_kwargs, fsdp, mesh, tp_plan, compile, activation_checkpointing)
+        _check_deepspeed_arguments(deepspeed, *given)
         assert deepspeed is not None
         return build_engine(_CALLER, ctx, model, deepspeed, opts, scheduler, grad)
     kwargs = DistributedDataParallelKwargs() if ddp_kwargs is None else ddp_kwargs
@@ -132,6 +143,7 @@ def wrap_model(
     check_meta_init(_CALLER, model, init_fn)
     tp = mesh is not None and mesh.tp > 1
     shards = ctx.num_processes > 1 and (fsdp is not None or tp)
+    wrap = then_wrap(activation_checkpointing, compile, wrap)
     return wrap_materialized(ctx, model, init_fn, opts, wrap, shards=shards)
 
 
@@ -153,7 +165,13 @@ def _check_arguments(
 
 
 def _check_deepspeed_arguments(
-    deepspeed: object, ddp_kwargs: object, fsdp: object, mesh: object, tp_plan: object
+    deepspeed: object,
+    ddp_kwargs: object,
+    fsdp: object,
+    mesh: object,
+    tp_plan: object,
+    compile: object = None,
+    activation_checkpointing: object = None,
 ) -> None:
     if deepspeed is None:
         fail_value(
@@ -165,6 +183,10 @@ def _check_deepspeed_arguments(
         )
     check_type(_CALLER, "deepspeed", deepspeed, DeepSpeedOptions, optional=True)
     given = {"ddp_kwargs": ddp_kwargs, "fsdp": fsdp, "mesh": mesh, "tp_plan": tp_plan}
+    given |= {
+        "compile": compile,
+        "activation_checkpointing": activation_checkpointing,
+    }
     for name, value in given.items():
         if value is not None:
             fail_value(_CALLER, name, value, _ALONE, "Pass one of them.")

@@ -1,0 +1,125 @@
+"""``compile_blocks``: ``torch.compile`` each block in place, recording what it compiles.
+
+Each chosen block gets ``module.compile(...)``: ``torch.compile`` of the block's
+own call, kept on the block. The block stays in the model (no
+``OptimizedModule`` wrapper), so hooks added to it afterwards, FSDP2's in
+particular, run around the compiled code instead of being bypassed by it.
+Compilation happens at the first call. The backend is wrapped by a
+``GraphLog``, shared by the blocks of one call and kept on each of them, which
+records the compile id of every graph the backend receives; ``compile_report``
+reads it.
+
+>>> import torch
+>>> from torch import nn
+>>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+>>> compile_blocks(net, CompileOptions(blocks=[nn.Linear], backend="eager"))
+['0']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import Final
+
+import torch
+from torch import nn
+
+from funcaccel._checks import check_type
+from funcaccel.model._compile_options import CompileOptions
+from funcaccel.model._fast_order import compiled_in_place
+from funcaccel.model._fast_order import refuse_sharded
+from funcaccel.model._fast_order import select_blocks
+
+__all__ = ["GRAPH_LOG_ATTRIBUTE", "GraphLog", "compile_blocks"]
+
+_CALLER: Final = "compile_blocks"
+GRAPH_LOG_ATTRIBUTE: Final = "_funcaccel_graph_log"
+"""The attribute under which a compiled block keeps its ``GraphLog``."""
+
+
+class GraphLog:
+    """A ``torch.compile`` backend that records each graph, then hands it on.
+
+    ``compile_ids`` holds dynamo's id of every graph compiled through it, as
+    ``"frame/compile"`` strings (``"3/1"``: the second compilation of frame 3, a
+    recompile). It is the one mutable record of the fast step, owned by the
+    compiled blocks (an attribute of each), like DDP's reducer is owned by DDP.
+    """
+
+    __slots__ = ("compile_ids", "compiler_name", "inner")
+
+    def __init__(self, inner: Callable[..., Any], name: str) -> None:
+        self.inner = inner
+        self.compiler_name = name
+        self.compile_ids: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._guards import CompileContext
+
+        self.compile_ids.append(str(CompileContext.current_compile_id()))
+        return self.inner(gm, example_inputs)
+
+    def reset(self) -> None:
+        """Forward ``torch._dynamo.reset()`` to the backend (the log is kept)."""
+        reset = getattr(self.inner, "reset", None)
+        if callable(reset):
+            reset()
+
+
+def _backend(options: CompileOptions) -> GraphLog:
+    backend = options.backend
+    if backend == "inductor":
+        # What torch.compile itself builds for inductor, mode and dynamic included.
+        wrapper: Callable[..., Callable[..., Any]] = torch._TorchCompileInductorWrapper
+        inner = wrapper(options.mode, None, options.dynamic)
+        return GraphLog(inner, "inductor")
+    if isinstance(backend, str):
+        from torch._dynamo import lookup_backend
+
+        return GraphLog(lookup_backend(backend), backend)
+    return GraphLog(backend, getattr(backend, "__name__", type(backend).__name__))
+
+
+def compile_blocks(model: nn.Module, options: CompileOptions) -> list[str]:
+    """Compile ``model``'s blocks chosen by ``options`` in place (``module.compile()``).
+
+    Changes ``model``'s blocks in place: each gets its compiled call, traced at
+    its first call. Apply it after tensor parallelism and activation
+    checkpointing, before FSDP2 / DDP wrapping (``wrap_model(..., compile=...)``
+    does it in that order); a block compiled in place keeps the hooks sharding
+    adds later. ``compile_report(model)`` then says what was compiled.
+
+    Args:
+        model: the user's module, not yet sharded or wrapped.
+        options: the blocks and ``torch.compile``'s settings.
+
+    Returns:
+        The names of the compiled blocks (``""`` for the model itself).
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``model`` already wrapped (DDP, a ``torch.compile``
+            wrapper) or sharded (FSDP2), a block already compiled, or no block
+            of ``options.blocks``.
+    """
+    hint = "Pass the model itself."
+    model = check_type(_CALLER, "model", model, nn.Module, hint=hint)
+    check_type(_CALLER, "options", options, CompileOptions, what="a CompileOptions")
+    refuse_sharded(_CALLER, model, "compilation")
+    already = compiled_in_place(model)
+    if already:
+        label = repr(already[0]) if already[0] else "the model itself"
+        msg = (
+            f"{_CALLER}: {label} is already compiled in place; compile once, to a "
+            "fresh model."
+        )
+        raise ValueError(msg)
+    chosen = list(select_blocks(_CALLER, model, options.blocks))
+    log = _backend(options)
+    for _, module in chosen:
+        module.compile(
+            backend=log, fullgraph=options.fullgraph, dynamic=options.dynamic
+        )
+        object.__setattr__(module, GRAPH_LOG_ATTRIBUTE, log)
+    return [name for name, _ in chosen]
