@@ -40,34 +40,43 @@ from tests.fixtures import SizedStream
 from tests.fixtures import TpMLP
 from tests.fixtures import rank_ctx
 
-MESHES = [(1, 2, 2), (2, 1, 2), (1, 1, 4), (2, 3, 2)]
+MESHES = [
+    (1, 1, 2, 2),
+    (1, 2, 1, 2),
+    (1, 1, 1, 4),
+    (1, 2, 3, 2),
+    (2, 1, 2, 1),
+    (2, 1, 1, 2),
+    (2, 2, 1, 1),
+]
 
 
 @pytest.mark.parametrize(
     ("sizes", "expected"),
     [
-        ({}, (1, 4, 1)),
-        ({"dp_replicate": 2}, (2, 2, 1)),
-        ({"tp": 2}, (1, 2, 2)),
-        ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, (2, 1, 2)),
-        ({"dp_shard": 1, "tp": -1}, (1, 1, 4)),
-        ({"dp_replicate": -1, "dp_shard": 1}, (4, 1, 1)),
+        ({}, (1, 1, 4, 1)),
+        ({"dp_replicate": 2}, (1, 2, 2, 1)),
+        ({"tp": 2}, (1, 1, 2, 2)),
+        ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, (1, 2, 1, 2)),
+        ({"dp_shard": 1, "tp": -1}, (1, 1, 1, 4)),
+        ({"dp_replicate": -1, "dp_shard": 1}, (1, 4, 1, 1)),
     ],
 )
 def test_build_mesh_fills_in_the_rest(
-    sizes: dict[str, int], expected: tuple[int, int, int]
+    sizes: dict[str, int], expected: tuple[int, int, int, int]
 ) -> None:
     mesh = build_mesh(rank_ctx(4, 0), **sizes)
     assert mesh.shape == expected
     assert mesh.device_mesh is None
-    assert mesh.dim_names == ("dp_replicate", "dp_shard", "tp")
+    assert mesh.dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def test_every_rank_of_a_2x2x2_mesh_has_its_row_major_coordinates() -> None:
     seen = []
     for rank in range(8):
         mesh = build_mesh(rank_ctx(8, rank), dp_replicate=2, dp_shard=2, tp=2)
-        r, s, t = mesh.coordinates
+        p, r, s, t = mesh.coordinates
+        assert (p, mesh.pp_rank) == (0, 0)
         assert rank == (r * 2 + s) * 2 + t
         assert (mesh.dp_rank, mesh.dp_size, mesh.tp_rank) == (r * 2 + s, 4, t)
         assert mesh == ParallelMesh.for_rank(rank, dp_replicate=2, dp_shard=2, tp=2)
@@ -90,6 +99,30 @@ def test_dp_view_counts_data_parallel_ranks_only() -> None:
     assert (tp_only.num_processes, tp_only.distributed_type.value) == (1, "NO")
     ctx = rank_ctx(4, 3)
     assert ParallelMesh.for_rank(3, dp_shard=4).dp_view(ctx) is ctx
+
+
+def test_pp_is_the_outermost_dimension_and_dp_counts_dp_dims_only() -> None:
+    # 8 ranks as pp=2 x dp_shard=2 x tp=2: stage 0 holds ranks 0-3, stage 1 4-7.
+    meshes = [build_mesh(rank_ctx(8, g), pp=2, tp=2) for g in range(8)]
+    assert {m.shape for m in meshes} == {(2, 1, 2, 2)}
+    for g, mesh in enumerate(meshes):
+        p, r, s, t = mesh.coordinates
+        assert g == ((p * 1 + r) * 2 + s) * 2 + t
+        assert (mesh.pp_rank, mesh.dp_rank, mesh.dp_size, mesh.tp_rank) == (
+            g // 4,
+            (g // 2) % 2,
+            2,
+            g % 2,
+        )
+        assert mesh.pp_peer(1 - p) == (g + 4) % 8
+        view = mesh.dp_view(rank_ctx(8, g))
+        assert (view.num_processes, view.process_index) == (2, mesh.dp_rank)
+    pp_only = ParallelMesh.for_rank(1, pp=2).dp_view(rank_ctx(2, 1))
+    assert (pp_only.num_processes, pp_only.distributed_type.value) == (1, "NO")
+    with pytest.raises(ValueError, match=r"pp \* dp_replicate \* dp_shard \* tp"):
+        build_mesh(rank_ctx(4, 0), pp=3, dp_shard=1)
+    with pytest.raises(ValueError, match=r"pp must be >= 1, or -1 .*got 0"):
+        build_mesh(rank_ctx(4, 0), pp=0)
 
 
 def test_build_mesh_refuses_sizes_that_do_not_make_the_world() -> None:
@@ -128,7 +161,7 @@ def test_check_mesh_refuses_a_mesh_of_another_rank_or_world() -> None:
     with pytest.raises(
         ValueError,
         match=r"^f: mesh must be for rank 0 of 2 \(ctx's\); got ParallelMesh\("
-        r"dp_replicate=1, dp_shard=1, tp=2, rank=1\)\. Build it with build_mesh",
+        r"pp=1, dp_replicate=1, dp_shard=1, tp=2, rank=1\)\. Build it with build_mesh",
     ):
         check_mesh("f", rank_ctx(2, 0), mesh)
     with pytest.raises(TypeError, match=r"f: mesh must be a ParallelMesh"):
@@ -152,19 +185,20 @@ def _modes() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("shape", MESHES)
 @pytest.mark.parametrize("mode", _modes())
 def test_shard_loader_on_a_mesh_shards_over_data_parallel_ranks_only(
-    shape: tuple[int, int, int], mode: dict[str, Any]
+    shape: tuple[int, int, int, int], mode: dict[str, Any]
 ) -> None:
     # Each rank reads what its data-parallel rank reads in a world of dp_size
-    # processes; so a tensor-parallel group reads the same batches, and the dp
-    # ranks together read every sample once (n = 24 divides every global batch).
-    r, s, t = shape
-    world, dp_size = r * s * t, r * s
+    # processes; so the stages and tensor-parallel ranks of one data-parallel
+    # coordinate read the same batches, and the dp ranks together read every
+    # sample once (n = 24 divides every global batch).
+    p, r, s, t = shape
+    world, dp_size = p * r * s * t, r * s
     options = dict(mode)
     data: Any = SizedStream(24) if options.pop("iterable", False) else Indexed(24)
     dl = DataLoader(data, batch_size=2 * dp_size if options.get("split_batches") else 2)
     seen: dict[int, list[list[int]]] = {}
     for g in range(world):
-        mesh = build_mesh(rank_ctx(world, g), dp_replicate=r, dp_shard=s, tp=t)
+        mesh = build_mesh(rank_ctx(world, g), pp=p, dp_replicate=r, dp_shard=s, tp=t)
         loader = shard_loader(rank_ctx(world, g), dl, mesh=mesh, **options)
         alone = shard_loader(rank_ctx(dp_size, mesh.dp_rank), dl, **options)
         got = _batches(loader)
@@ -173,7 +207,8 @@ def test_shard_loader_on_a_mesh_shards_over_data_parallel_ranks_only(
         assert len(loader) == len(alone)
         state = LoaderState(epoch=1, global_batches=1, global_batch_size=2 * dp_size)
         assert _batches(loader, state) == _batches(alone, state)
-        assert seen.setdefault(mesh.dp_rank, got) == got  # the same within a tp group
+        # The same along pp and tp.
+        assert seen.setdefault(mesh.dp_rank, got) == got
     everything = sorted(i for batches in seen.values() for b in batches for i in b)
     assert everything == list(range(24))
 
@@ -189,7 +224,7 @@ def test_shard_loader_refuses_a_mesh_of_another_rank() -> None:
 def _loader_on_mesh(ctx: DistributedContext) -> dict[str, Any]:
     mesh = build_mesh(ctx, tp=2)  # 1 x 2 x 2
     assert mesh.device_mesh is not None
-    assert mesh.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    assert mesh.device_mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
     out: dict[str, Any] = {"coordinates": mesh.coordinates}
     torch.manual_seed(ctx.process_index)  # synchronised below by rng_types
     dl = DataLoader(Indexed(10), batch_size=3, shuffle=True)
@@ -212,10 +247,10 @@ def _loader_on_mesh(ctx: DistributedContext) -> dict[str, Any]:
 def test_loader_and_gather_for_metrics_on_a_real_2x2_mesh() -> None:
     results = run_ranks(_loader_on_mesh, 4, start_method="forkserver")
     assert [r["coordinates"] for r in results] == [
-        (0, 0, 0),
-        (0, 0, 1),
-        (0, 1, 0),
-        (0, 1, 1),
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 0, 1, 0),
+        (0, 0, 1, 1),
     ]
     order = torch.randperm(10, generator=torch.Generator().manual_seed(3 + 1)).tolist()
     for dispatch in (False, True):
@@ -451,7 +486,7 @@ def test_wrap_model_refuses_what_a_mesh_cannot_build() -> None:
         wrap_model(ctx, _mlp(), mesh=tp, tp_plan={"up": "colwise"})
     with pytest.raises(
         ValueError,
-        match=r"fsdp must be an FSDPOptions on a mesh with dp_shard > 1 \(shape \(1, 2, 1\)\); got None",
+        match=r"fsdp must be an FSDPOptions on a mesh with dp_shard > 1 \(shape \(1, 1, 2, 1\)\); got None",
     ):
         wrap_model(ctx, _mlp(), mesh=ParallelMesh.for_rank(0, dp_shard=2))
     with pytest.raises(

@@ -436,8 +436,11 @@ def gather_for_metrics(
     if mesh is not None:
         check_mesh(caller, ctx, mesh)
         data_ranks = mesh.dp_size
-        if mesh.tp > 1:  # tp rank 0 of each group: ranks 0, tp, 2 * tp, ...
-            keep = range(0, ctx.num_processes, mesh.tp)
+        if mesh.tp > 1 or mesh.pp > 1:
+            # tp rank 0 of each group on the last pipeline stage (which holds
+            # the outputs): ranks first, first + tp, first + 2 * tp, ...
+            first = (mesh.pp - 1) * mesh.dp_size * mesh.tp
+            keep = range(first, ctx.num_processes, mesh.tp)
     record = _check_batch(batch, data_ranks)
     limit = None
     if record is not None and record.is_last and record.remainder > 0:

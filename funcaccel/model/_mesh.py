@@ -158,8 +158,14 @@ def check_mesh_wrapping(
         ValueError: see ``wrap_mesh``.
         RuntimeError: several processes and a mesh without a ``DeviceMesh``.
     """
-    _check_plan(caller, mesh, tp_plan, model)
     shape = f"shape {mesh.shape}"
+    if mesh.pp > 1:
+        staged = (
+            f"a mesh with pp=1 here ({shape}): pipeline stages are cut by wrap_model"
+        )
+        hint = "Pass wrap_model(ctx, model, mesh=mesh, pipeline=PipelineOptions(...))."
+        fail_value(caller, "mesh", mesh, staged, hint)
+    _check_plan(caller, mesh, tp_plan, model)
     unsharded = f"an FSDPOptions on a mesh with dp_shard > 1 ({shape})"
     if fsdp is None and mesh.dp_shard > 1:
         fail_value(caller, "fsdp", fsdp, unsharded, _SHARD_OR_REPLICATE)
