@@ -63,12 +63,13 @@ def _metrics() -> dict[str, Any]:
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return {}
-    # One frame's dynamo record (with its code name) plus, under the same id,
-    # records of its backward's compilation, which have none.
+    # A frame's dynamo record (with its code name) plus, under the same id,
+    # records of its backward's compilation, which have none. Ids start again
+    # at 0 after torch._dynamo.reset(): the latest record of an id wins.
     frames: dict[str, Any] = {}
     for record in utils.get_compilation_metrics():
         if record.co_name is not None:
-            frames.setdefault(str(record.compile_id), record)
+            frames[str(record.compile_id)] = record
     return frames
 
 
