@@ -80,6 +80,8 @@ from funcaccel.model import CompileOptions as CompileOptions
 from funcaccel.model import CompileReport as CompileReport
 from funcaccel.model import DeepSpeedOptions as DeepSpeedOptions
 from funcaccel.model import FSDPOptions as FSDPOptions
+from funcaccel.model import Pipeline as Pipeline
+from funcaccel.model import PipelineOptions as PipelineOptions
 from funcaccel.model import (
     apply_activation_checkpointing as apply_activation_checkpointing,
 )
@@ -130,6 +132,7 @@ if TYPE_CHECKING:
     from funcaccel.local_sgd import average_parameters_ as average_parameters_
     from funcaccel.local_sgd import local_sgd_ctx as local_sgd_ctx
     from funcaccel.local_sgd import local_sgd_step as local_sgd_step
+    from funcaccel.pipeline import pipeline_step as pipeline_step
     from funcaccel.plot import plot_metrics as plot_metrics
     from funcaccel.process import get_logger as get_logger
     from funcaccel.process import local_main_process_first as local_main_process_first

@@ -23,6 +23,7 @@ LOADED_LATER: Final = frozenset(
         "funcaccel.envreport",
         "funcaccel.join",
         "funcaccel.local_sgd",
+        "funcaccel.pipeline",
         "funcaccel.plot",
         "funcaccel.process",
         "funcaccel.profiler",

@@ -30,6 +30,8 @@ from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import wrap_fsdp
 from funcaccel.model._mesh import wrap_mesh
 from funcaccel.model._meta import materialize_meta
+from funcaccel.model._pipeline import Pipeline
+from funcaccel.model._pipeline_options import PipelineOptions
 from funcaccel.model._wrap import move_optimizer_state_
 from funcaccel.model._wrap import wrap_model
 from funcaccel.model._wrappers import unwrap_model
@@ -44,6 +46,8 @@ __all__ = [
     "compile_blocks",
     "compile_report",
     "materialize_meta",
+    "Pipeline",
+    "PipelineOptions",
     "move_optimizer_state_",
     "unwrap_model",
     "wrap_ddp",

@@ -49,6 +49,8 @@ from funcaccel.model._mesh import check_mesh_setup
 from funcaccel.model._mesh import mesh_
 from funcaccel.model._meta import check_meta_init
 from funcaccel.model._meta import wrap_materialized
+from funcaccel.model._pipeline import build_pipeline
+from funcaccel.model._pipeline_options import PipelineOptions
 from funcaccel.model._rebind import as_optimizers
 from funcaccel.model._wrappers import check_unwrapped
 
@@ -79,6 +81,7 @@ def wrap_model(
     grad: GradState | None = None,
     compile: CompileOptions | None = None,
     activation_checkpointing: ActivationCheckpointOptions | None = None,
+    pipeline: PipelineOptions | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``ctx.device`` in place, then wrap it for ``ctx``'s world.
 
@@ -104,6 +107,9 @@ def wrap_model(
         compile, activation_checkpointing: per-block in-place compilation and
             activation checkpointing, applied before sharding / DDP
             (``apply_activation_checkpointing``, then ``compile_blocks``).
+        pipeline: cut ``model`` into pipeline stages on ``mesh`` (``pp > 1``)
+            and return this rank's as a ``Pipeline`` (docs/pipeline.md); TP and
+            FSDP2 / replication apply inside each stage.
 
     Returns:
         ``model``, a ``DistributedDataParallel`` wrapping it, or DeepSpeed's engine.
@@ -120,6 +126,17 @@ def wrap_model(
     True
     """
     _check_arguments(ctx, model, ddp_kwargs, fsdp)
+    if pipeline is not None:
+        others: dict[str, object] = {
+            "ddp_kwargs": ddp_kwargs,
+            "deepspeed": deepspeed,
+            "scheduler": scheduler,
+            "grad": grad,
+            "compile": compile,
+            "activation_checkpointing": activation_checkpointing,
+        }
+        _check_pipeline_arguments(others, optimizers)
+        return build_pipeline(ctx, model, pipeline, mesh, tp_plan, fsdp, init_fn)
     check_fast_step(_CALLER, model, activation_checkpointing, compile)
     opts = as_optimizers(_CALLER, optimizers)
     if deepspeed is not None or scheduler is not None or grad is not None:
@@ -145,6 +162,17 @@ def wrap_model(
     shards = ctx.num_processes > 1 and (fsdp is not None or tp)
     wrap = then_wrap(activation_checkpointing, compile, wrap)
     return wrap_materialized(ctx, model, init_fn, opts, wrap, shards=shards)
+
+
+def _check_pipeline_arguments(others: dict[str, object], optimizers: object) -> None:
+    for name, value in others.items():
+        if value is not None:
+            what = "None with pipeline= (not supported with pipeline stages)"
+            fail_value(_CALLER, name, value, what, f"Leave {name} out.")
+    if optimizers != ():
+        what = "() with pipeline= (each rank holds only its stages' parameters)"
+        hint = "Build the optimizer afterwards on the Pipeline's parameters()."
+        fail_value(_CALLER, "optimizers", optimizers, what, hint)
 
 
 def _check_arguments(

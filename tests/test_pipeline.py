@@ -1,0 +1,325 @@
+"""Pipeline parallelism: ``wrap_model(..., pipeline=)`` and ``pipeline_step``, exact.
+
+Every distributed run trains a small float64 chain for 3 pipeline steps with
+``accumulation_steps=2`` (one full window, then a short one closed by the end
+of the data) and compares the final parameters, to 1e-10, with a one-process
+reference that never heard of pipelines: plain SGD on the window's mean loss
+(or its summed item losses over the window's item count).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Final
+
+import pytest
+import torch
+from torch import nn
+
+from funcaccel import FSDPOptions
+from funcaccel import GradState
+from funcaccel import Pipeline
+from funcaccel import PipelineOptions
+from funcaccel import build_mesh
+from funcaccel import pipeline_step
+from funcaccel import wrap_model
+from funcaccel.context import DistributedContext
+from funcaccel.model._pipeline_options import cut_units
+from funcaccel.model._pipeline_options import model_units
+from funcaccel.testing import run_ranks
+from tests.fixtures import rank_ctx
+
+F64: Final = torch.float64
+STEPS: Final = 3
+K: Final = 2
+MICRO: Final = 4
+PER_RANK: Final = 8  # rows per data-parallel rank and step
+LR: Final = 0.1
+TIMEOUT: Final = 300
+
+
+class Chain(nn.Module):
+    """embed, layers.0 .. layers.3, head: a chain of six units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 6, dtype=F64)
+        self.layers = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(6, 8, dtype=F64), nn.Tanh(), nn.Linear(8, 6, dtype=F64)
+            )
+            for _ in range(4)
+        )
+        self.head = nn.Linear(6, 2, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _data(dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches: inputs, and targets (2 values + an item mask)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = PER_RANK * dp_size
+    out = []
+    for step in range(STEPS):
+        x = torch.randn(rows, 4, generator=gen, dtype=F64)
+        y = torch.randn(rows, 2, generator=gen, dtype=F64)
+        mask = (torch.rand(rows, 1, generator=gen) < 0.6).to(F64)
+        if step == 0:
+            mask[:2] = 0.0  # data-parallel rank 0's first micro-batch: no items
+        out.append((x, torch.cat([y, mask], dim=1)))
+    return out
+
+
+def _mean_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target[:, :2]) ** 2).mean()
+
+
+def _summed_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (((out - target[:, :2]) ** 2).sum(1) * target[:, 2]).sum()
+
+
+def _reference(
+    dp_size: int, tokens: bool
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    torch.manual_seed(0)
+    model = Chain()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data, losses = _data(dp_size), []
+    for start in range(0, STEPS, K):
+        window = data[start : start + K]
+        if tokens:
+            total = sum(float(t[:, 2].sum()) for _, t in window)
+            parts = [_summed_loss(model(x), t) for x, t in window]
+            loss = torch.stack(parts).sum() / total
+        else:
+            parts = [_mean_loss(model(x), t) for x, t in window]
+            loss = torch.stack(parts).sum() / len(window)
+        for x, t in window:  # rank 0's shown loss per step
+            x0, t0 = x[:PER_RANK], t[:PER_RANK]
+            with torch.no_grad():
+                if tokens:
+                    losses.append(float(_summed_loss(model(x0), t0) / t0[:, 2].sum()))
+                else:
+                    losses.append(float(_mean_loss(model(x0), t0)))
+        torch.autograd.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _train(
+    ctx: DistributedContext,
+    sizes: dict[str, int],
+    options: PipelineOptions,
+    tokens: bool,
+    meta: bool,
+    fsdp: FSDPOptions | None,
+    tp_plan: dict[str, Any] | None,
+) -> dict[str, Any]:
+    mesh = build_mesh(ctx, **sizes)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            model = Chain()
+    else:
+        model = Chain()
+    pipe = wrap_model(
+        ctx, model, mesh=mesh, pipeline=options, fsdp=fsdp, tp_plan=tp_plan
+    )
+    assert isinstance(pipe, Pipeline)
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    grad, losses = GradState(accumulation_steps=K), []
+    rows = slice(mesh.dp_rank * PER_RANK, (mesh.dp_rank + 1) * PER_RANK)
+    for step, (x, t) in enumerate(_data(mesh.dp_size)):
+        batch = (x[rows], t[rows])
+        items = int(t[rows][:, 2].sum()) if tokens else None
+        loss_fn = _summed_loss if tokens else _mean_loss
+        loss, grad = pipeline_step(
+            ctx,
+            grad,
+            pipe,
+            opt,
+            batch,
+            loss_fn,
+            num_items=items,
+            end_of_dataloader=step == STEPS - 1,
+        )
+        losses.append(float(loss))
+    params = {}
+    for module in pipe.stage_modules:
+        for name, value in module.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            params[name] = full.detach().clone()
+    return {
+        "params": params,
+        "losses": losses,
+        "dp_rank": mesh.dp_rank,
+        "steps": grad.optimizer_steps,
+        "stages": pipe.stage_indices,
+    }
+
+
+def _check(results: list[dict[str, Any]], dp_size: int, tokens: bool) -> None:
+    expected, ref_losses = _reference(dp_size, tokens)
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert r["steps"] == 2
+        got.update(r["params"])
+        if r["dp_rank"] == 0:  # the same loss on every stage and tp rank
+            assert r["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-12)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10, msg=name)
+
+
+def _runs(ctx: DistributedContext, runs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    return [_train(ctx, *run) for run in runs]
+
+
+SCHEDULES_2: Final = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2),
+    ("zbv_zero_bubble", 2),
+]
+
+
+@pytest.mark.distributed
+def test_every_schedule_at_pp2_equals_the_one_process_reference() -> None:
+    runs = [
+        (
+            {"pp": 2},
+            PipelineOptions(microbatches=MICRO, schedule=s, stages_per_rank=k),
+            False,
+            False,
+            None,
+            None,
+        )
+        for s, k in SCHEDULES_2
+    ]
+    runs.append(
+        (
+            {"pp": 2},
+            PipelineOptions(
+                microbatches=MICRO, schedule="1f1b", split_points=("layers.3",)
+            ),
+            True,
+            True,
+            None,
+            None,
+        )
+    )
+    runs.append(
+        (
+            {"pp": 2},
+            PipelineOptions(
+                microbatches=MICRO, schedule="zbv_zero_bubble", stages_per_rank=2
+            ),
+            True,
+            False,
+            None,
+            None,
+        )
+    )
+    per_rank = run_ranks(_runs, 2, runs, timeout_s=TIMEOUT, start_method="forkserver")
+    for i, run in enumerate(runs):
+        _check([per_rank[r][i] for r in range(2)], 1, tokens=run[2])
+    assert per_rank[0][5]["stages"] == (0, 3) and per_rank[1][5]["stages"] == (1, 2)
+
+
+@pytest.mark.distributed
+def test_pp2_with_fsdp_and_with_tp_at_4_ranks_equals_the_reference() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(4):
+        plan[f"layers.{i}.0"] = ColwiseParallel()
+        plan[f"layers.{i}.2"] = RowwiseParallel()
+    one = PipelineOptions(microbatches=MICRO, schedule="1f1b")
+    runs = [
+        ({"pp": 2, "dp_shard": 2}, one, False, True, FSDPOptions(), None),
+        ({"pp": 2, "dp_shard": 2}, one, True, True, FSDPOptions(), None),
+        ({"pp": 2, "dp_shard": 1, "tp": 2}, one, True, True, None, plan),
+        ({"pp": 2, "dp_shard": 1, "tp": 2}, one, False, False, None, plan),
+    ]
+    per_rank = run_ranks(_runs, 4, runs, timeout_s=TIMEOUT, start_method="forkserver")
+    for i, run in enumerate(runs):
+        dp_size = 2 if run[0].get("dp_shard") == 2 else 1
+        _check([per_rank[r][i] for r in range(4)], dp_size, tokens=run[2])
+
+
+def test_pipeline_options_refuse_bad_values() -> None:
+    with pytest.raises(
+        ValueError, match=r"PipelineOptions: schedule must be one of .*got 'zb'"
+    ):
+        PipelineOptions(microbatches=2, schedule="zb")
+    with pytest.raises(ValueError, match=r"microbatches \(0\) must be >= 1"):
+        PipelineOptions(microbatches=0)
+    with pytest.raises(
+        ValueError, match=r"stages_per_rank must be 1 with schedule='1f1b'.*got 2"
+    ):
+        PipelineOptions(microbatches=2, stages_per_rank=2)
+    with pytest.raises(
+        ValueError, match=r"stages_per_rank must be 2 with 'zbv_zero_bubble'.*got 3"
+    ):
+        PipelineOptions(microbatches=2, schedule="zbv_zero_bubble", stages_per_rank=3)
+    with pytest.raises(
+        ValueError, match=r">= 2 with schedule='interleaved_1f1b'.*got 1"
+    ):
+        PipelineOptions(microbatches=2, schedule="interleaved_1f1b")
+    with pytest.raises(ValueError, match=r"split_points must be distinct"):
+        PipelineOptions(microbatches=2, split_points=("head", "head"))
+    with pytest.raises(TypeError, match=r"split_points must be a tuple"):
+        PipelineOptions(microbatches=2, split_points=["head"])  # type: ignore[arg-type]
+
+
+def test_the_cut_names_its_stages_and_refuses_a_bad_one() -> None:
+    names = [n for n, _ in model_units(Chain())]
+    assert names == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    assert cut_units(names, (), 4) == (
+        ("embed", "layers.0"),
+        ("layers.1", "layers.2"),
+        ("layers.3",),
+        ("head",),
+    )
+    assert cut_units(names, ("layers.3",), 2)[1] == ("layers.3", "head")
+    with pytest.raises(
+        ValueError, match=r"every split point must be a unit .*got 'layers.9'"
+    ):
+        cut_units(names, ("layers.9",), 2)
+    with pytest.raises(ValueError, match=r"each stage non-empty; got \('embed',\)"):
+        cut_units(names, ("embed",), 2)
+    with pytest.raises(ValueError, match=r"each stage non-empty"):
+        cut_units(names, ("head", "layers.1"), 3)
+    with pytest.raises(ValueError, match=r"must be 2 unit names for 3 stages"):
+        cut_units(names, ("head",), 3)
+    with pytest.raises(ValueError, match=r">= 7 units for 7 stages"):
+        cut_units(names, (), 7)
+
+
+def test_wrap_model_refuses_a_pipeline_without_a_pp_mesh() -> None:
+    ctx = rank_ctx(1, 0)
+    opts = PipelineOptions(microbatches=2)
+    with pytest.raises(
+        ValueError, match=r"wrap_model: mesh must be a ParallelMesh with pp > 1"
+    ):
+        wrap_model(ctx, Chain(), pipeline=opts)
+    with pytest.raises(
+        ValueError, match=r"wrap_model: mesh must be a ParallelMesh with pp > 1"
+    ):
+        wrap_model(ctx, Chain(), mesh=build_mesh(ctx), pipeline=opts)
+    with pytest.raises(ValueError, match=r"optimizers must be \(\) with pipeline="):
+        net = Chain()
+        wrap_model(
+            ctx, net, pipeline=opts, optimizers=torch.optim.SGD(net.parameters())
+        )
+    with pytest.raises(TypeError, match=r"pipeline must be a PipelineOptions"):
+        wrap_model(ctx, Chain(), mesh=build_mesh(ctx), pipeline="1f1b")  # type: ignore[arg-type]
