@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 from typing import Final
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -84,12 +85,12 @@ def _summed_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(
-    dp_size: int, tokens: bool
-) -> tuple[dict[str, torch.Tensor], list[float]]:
+    dp_size: int, tokens: bool, clip: float | None = None
+) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     torch.manual_seed(0)
     model = Chain()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data, losses = _data(dp_size), []
+    data, losses, norms = _data(dp_size), [], []
     for start in range(0, STEPS, K):
         window = data[start : start + K]
         if tokens:
@@ -107,20 +108,29 @@ def _reference(
                 else:
                     losses.append(float(_mean_loss(model(x0), t0)))
         torch.autograd.backward(loss)
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return params, losses, norms
 
 
-def _train(
-    ctx: DistributedContext,
-    sizes: dict[str, int],
-    options: PipelineOptions,
-    tokens: bool,
-    meta: bool,
-    fsdp: FSDPOptions | None,
-    tp_plan: dict[str, Any] | None,
-) -> dict[str, Any]:
+class Run(NamedTuple):
+    """One training run: the mesh, the options and what to check."""
+
+    sizes: dict[str, int]
+    options: PipelineOptions
+    tokens: bool = False
+    meta: bool = False
+    fsdp: FSDPOptions | None = None
+    tp_plan: dict[str, Any] | None = None
+    clip: float | None = None
+
+
+def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
+    sizes, options, tokens, meta, fsdp, tp_plan, clip = run
     mesh = build_mesh(ctx, **sizes)
     torch.manual_seed(0)
     if meta:
@@ -133,7 +143,7 @@ def _train(
     )
     assert isinstance(pipe, Pipeline)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-    grad, losses = GradState(accumulation_steps=K), []
+    grad, losses, norms = GradState(accumulation_steps=K), [], []
     rows = slice(mesh.dp_rank * PER_RANK, (mesh.dp_rank + 1) * PER_RANK)
     for step, (x, t) in enumerate(_data(mesh.dp_size)):
         batch = (x[rows], t[rows])
@@ -148,8 +158,11 @@ def _train(
             loss_fn,
             num_items=items,
             end_of_dataloader=step == STEPS - 1,
+            max_grad_norm=clip,
         )
         losses.append(float(loss))
+        if grad.grad_norm is not None:
+            norms.append(float(grad.grad_norm))
     params = {}
     for module in pipe.stage_modules:
         for name, value in module.state_dict().items():
@@ -158,27 +171,33 @@ def _train(
     return {
         "params": params,
         "losses": losses,
+        "norms": norms,
         "dp_rank": mesh.dp_rank,
         "steps": grad.optimizer_steps,
         "stages": pipe.stage_indices,
     }
 
 
-def _check(results: list[dict[str, Any]], dp_size: int, tokens: bool) -> None:
-    expected, ref_losses = _reference(dp_size, tokens)
+def _check(
+    results: list[dict[str, Any]], dp_size: int, tokens: bool, clip: float | None
+) -> None:
+    expected, ref_losses, ref_norms = _reference(dp_size, tokens, clip)
+    assert len(ref_norms) == (2 if clip else 0)
     got: dict[str, torch.Tensor] = {}
     for r in results:
         assert r["steps"] == 2
         got.update(r["params"])
         if r["dp_rank"] == 0:  # the same loss on every stage and tp rank
             assert r["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-12)
+        # The global norm over every stage, dp and tp rank, on every rank.
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-10)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10, msg=name)
 
 
-def _runs(ctx: DistributedContext, runs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    return [_train(ctx, *run) for run in runs]
+def _runs(ctx: DistributedContext, runs: list[Run]) -> list[dict[str, Any]]:
+    return [_train(ctx, run) for run in runs]
 
 
 SCHEDULES_2: Final = [
@@ -194,43 +213,21 @@ SCHEDULES_2: Final = [
 @pytest.mark.distributed
 def test_every_schedule_at_pp2_equals_the_one_process_reference() -> None:
     runs = [
-        (
+        Run(
             {"pp": 2},
             PipelineOptions(microbatches=MICRO, schedule=s, stages_per_rank=k),
-            False,
-            False,
-            None,
-            None,
         )
         for s, k in SCHEDULES_2
     ]
-    runs.append(
-        (
-            {"pp": 2},
-            PipelineOptions(
-                microbatches=MICRO, schedule="1f1b", split_points=("layers.3",)
-            ),
-            True,
-            True,
-            None,
-            None,
-        )
+    cut = PipelineOptions(microbatches=MICRO, split_points=("layers.3",))
+    runs.append(Run({"pp": 2}, cut, tokens=True, meta=True))
+    zbv = PipelineOptions(
+        microbatches=MICRO, schedule="zbv_zero_bubble", stages_per_rank=2
     )
-    runs.append(
-        (
-            {"pp": 2},
-            PipelineOptions(
-                microbatches=MICRO, schedule="zbv_zero_bubble", stages_per_rank=2
-            ),
-            True,
-            False,
-            None,
-            None,
-        )
-    )
+    runs.append(Run({"pp": 2}, zbv, tokens=True, clip=0.5))
     per_rank = run_ranks(_runs, 2, runs, timeout_s=TIMEOUT, start_method="forkserver")
     for i, run in enumerate(runs):
-        _check([per_rank[r][i] for r in range(2)], 1, tokens=run[2])
+        _check([per_rank[r][i] for r in range(2)], 1, run.tokens, run.clip)
     assert per_rank[0][5]["stages"] == (0, 3) and per_rank[1][5]["stages"] == (1, 2)
 
 
@@ -245,15 +242,15 @@ def test_pp2_with_fsdp_and_with_tp_at_4_ranks_equals_the_reference() -> None:
         plan[f"layers.{i}.2"] = RowwiseParallel()
     one = PipelineOptions(microbatches=MICRO, schedule="1f1b")
     runs = [
-        ({"pp": 2, "dp_shard": 2}, one, False, True, FSDPOptions(), None),
-        ({"pp": 2, "dp_shard": 2}, one, True, True, FSDPOptions(), None),
-        ({"pp": 2, "dp_shard": 1, "tp": 2}, one, True, True, None, plan),
-        ({"pp": 2, "dp_shard": 1, "tp": 2}, one, False, False, None, plan),
+        Run({"pp": 2, "dp_shard": 2}, one, meta=True, fsdp=FSDPOptions()),
+        Run({"pp": 2, "dp_shard": 2}, one, True, True, FSDPOptions(), clip=0.5),
+        Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, True, True, None, plan, 0.5),
+        Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, tp_plan=plan),
     ]
     per_rank = run_ranks(_runs, 4, runs, timeout_s=TIMEOUT, start_method="forkserver")
     for i, run in enumerate(runs):
-        dp_size = 2 if run[0].get("dp_shard") == 2 else 1
-        _check([per_rank[r][i] for r in range(4)], dp_size, tokens=run[2])
+        dp_size = run.sizes["dp_shard"]
+        _check([per_rank[r][i] for r in range(4)], dp_size, run.tokens, run.clip)
 
 
 def test_pipeline_options_refuse_bad_values() -> None:
