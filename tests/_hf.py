@@ -80,3 +80,20 @@ def scipy_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """
     monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
     yield
+
+
+class FileReads:
+    """An ``on_read`` that appends each id to a file: counts reads in worker processes too."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, sample_id: int) -> None:
+        with self.path.open("a") as out:
+            out.write(f"{sample_id}\n")
+
+    def ids(self) -> list[int]:
+        """The ids read so far, in the order the processes wrote them."""
+        if not self.path.exists():
+            return []
+        return [int(line) for line in self.path.read_text().split()]

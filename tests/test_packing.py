@@ -216,7 +216,7 @@ def test_a_packed_stream_through_shard_loader_resumes_without_reading_earlier_do
                 resumed = list(iter_batches(loader(p, rank, reads), state))
                 ids = [b.data["input_ids"].tolist() for b in resumed]
                 assert ids == [b.data["input_ids"].tolist() for b in unbroken[k:]]
-                packed_state = state.stream_state
+                packed_state = state.stream_state["source"]
                 first = packed_state["docs"]
                 assert reads[: len(docs) - first] == list(range(first, len(docs)))
 

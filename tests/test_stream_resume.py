@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset
+from torch.utils.data import get_worker_info
 
 from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
@@ -39,6 +40,7 @@ from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
 from funcaccel.testing import rank_ctx
 from funcaccel.testing import run_ranks
+from tests._hf import FileReads
 from tests._hf import hf_stream
 from tests._hf import scipy_env
 from tests._hf import write_jsonl
@@ -205,14 +207,94 @@ def test_a_state_without_the_streams_position_replays_the_skipped_samples() -> N
     assert reads[:12] == list(range(12))  # read and dropped: exact, not O(1)
 
 
-def test_worker_processes_replay_the_skipped_samples_exactly() -> None:
-    make: Make = lambda on_read: Numbers(SAMPLES, on_read)  # noqa: E731
-    unbroken = list(iter_batches(_loader(make, 1, 0)))
-    state = unbroken[4].state
-    loader = _loader(make, 1, 0, num_workers=1)
-    workers = list(iter_batches(loader))
-    assert _ids(workers) == _ids(unbroken)
-    assert _ids(list(iter_batches(loader, state))) == _ids(unbroken[5:])
+class WorkerNumbers(Numbers):
+    """``Numbers`` split between worker processes as ``datasets`` splits its shards.
+
+    Worker ``w`` of ``W`` reads the runs of 4 ids ``4k..4k+3`` with ``k % W == w``.
+    """
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        w, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        self.at, self.start = self.start, 0
+        while self.at < self.n:
+            self.at += 1
+            if (self.at - 1) // 4 % workers != w:
+                continue  # another worker's run: not read here
+            if self.on_read is not None:
+                self.on_read(self.at - 1)
+            yield {"id": torch.tensor(self.at - 1)}
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("kind", ["hf", "own"])
+def test_worker_processes_resume_from_any_batch_state_in_the_same_order(
+    tmp_path: Path, p: int, kind: str
+) -> None:
+    files = write_jsonl(tmp_path / "data", SAMPLES, 3)
+    reads = FileReads(tmp_path / "reads.txt")
+
+    def make(on_read: Callable[[int], None] | None) -> Any:
+        if kind == "hf":
+            return hf_stream(files, tmp_path / "cache", on_read)
+        return WorkerNumbers(SAMPLES, on_read)
+
+    def loader(rank: int, on_read: FileReads) -> Any:
+        data = DataLoader(make(on_read), batch_size=BATCH, num_workers=2)
+        return shard_loader(rank_ctx(p, rank), data, dispatch_batches=False)
+
+    # The same pipeline (a counting map) in every run.
+    unbroken = [
+        list(iter_batches(loader(r, FileReads(tmp_path / "all.txt")))) for r in range(p)
+    ]
+    # Every sample of the epoch is read (each worker pads its own last batch).
+    assert {i for run in unbroken for b in _ids(run) for i in b} == set(range(SAMPLES))
+    size = BATCH * p
+    subs = [[i for i in range(SAMPLES) if i // 4 % 2 == w] for w in range(2)]
+    heads = {i for sub in subs for i in sub[:size]}
+    for rank in range(p):
+        ids = _ids(unbroken[rank])
+        for k in (1, len(ids) // 2, len(ids) - 1):
+            reads.path.unlink(missing_ok=True)
+            state = _round_trip(unbroken[rank][k - 1].state)
+            assert len(state.stream_state["workers"]) == 2
+            resumed = list(iter_batches(loader(rank, reads), state))
+            assert _ids(resumed) == ids[k:], (k, rank)
+            if kind == "hf":
+                continue
+            read = reads.ids()
+            # Every rank reads all samples: the rest of the stream after the
+            # workers' positions, and at most each worker's head again, to pad.
+            rest = [i for run in unbroken for b in _ids(run)[k:] for i in b]
+            assert set(read) <= set(rest) | heads, (k, rank)
+            if p == 1:  # no padding: exactly the rest, each sample once
+                assert sorted(read) == sorted(rest)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_the_loader_directly_gives_the_batches_of_iter_batches(
+    tmp_path: Path, workers: int
+) -> None:
+    make = _kinds(tmp_path)["hf"]
+    for rank in range(2):
+        loader = _loader(make, 2, rank, num_workers=workers)
+        records = _ids(list(iter_batches(loader)))
+        assert [batch["id"].tolist() for batch in loader] == records
+
+
+def test_a_stream_state_needs_the_num_workers_that_saved_it(tmp_path: Path) -> None:
+    make = _kinds(tmp_path)["own"]
+    zero = list(iter_batches(_loader(make, 1, 0)))
+    with pytest.raises(
+        ValueError,
+        match=r"iter_batches: state.stream_state must be the state of a loader with num_workers=2; got 'num_workers=0'\. .* Resume with num_workers=0, or start the next epoch with LoaderState\(epoch=1\)",
+    ):
+        iter_batches(_loader(make, 1, 0, num_workers=2), zero[2].state)
+    # Persistent workers keep their first stream: those loaders replay, exactly.
+    loader = _loader(make, 1, 0, num_workers=1, persistent_workers=True)
+    assert list(iter_batches(loader))[0].stream_state is None
+    plain = LoaderState(epoch=0, global_batches=3, global_batch_size=BATCH)
+    assert _ids(list(iter_batches(loader, plain))) == _ids(zero[3:])
 
 
 def test_loader_state_carries_a_stream_state_through_json() -> None:
@@ -259,18 +341,28 @@ STOP = 3  # optimizer steps before the checkpoint (mid-epoch 0)
 
 
 def _train(
-    ctx: DistributedContext, files: list[str], root: Path, resume: Path | None
+    ctx: DistributedContext,
+    files: list[str],
+    root: Path,
+    resume: Path | None,
+    workers: int = 0,
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Two epochs of a float64 DDP regression on the stream; returns params and reads."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = wrap_model(ctx, nn.Linear(2, 1).double())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rank = ctx.process_index
     reads: list[int] = []
-    stream = hf_stream(files, root / f"cache{ctx.process_index}", reads.append)
-    loader = shard_loader(
-        ctx, DataLoader(stream, batch_size=BATCH), dispatch_batches=False
+    counter = FileReads(root / f"reads-{resume is not None}-{rank}.txt")
+    on_read = counter if workers else reads.append
+    stream = hf_stream(files, root / f"cache{rank}", on_read)
+    # fork: quick to start (a forkserver rank would start each worker afresh)
+    context = "fork" if workers else None
+    data = DataLoader(
+        stream, batch_size=BATCH, num_workers=workers, multiprocessing_context=context
     )
+    loader = shard_loader(ctx, data, dispatch_batches=False)
     grad, state = GradState(accumulation_steps=1), LoaderState()
     if resume is not None:
         loaded = load_checkpoint(ctx, resume, models=model, optimizers=opt)
@@ -305,27 +397,43 @@ def _train(
                     loader=state,
                 )
     params = [p.detach().clone() for p in unwrap_model(model).parameters()]
-    return params, reads
+    return params, counter.ids() if workers else reads
+
+
+def _both(
+    ctx: DistributedContext, files: list[str], root: Path, workers: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]:
+    """The unbroken run (saving at STOP), then a fresh model and loader resumed from it."""
+    theirs, their_reads = _train(ctx, files, root, None, workers)
+    path = latest_checkpoint(root / "ckpt")
+    assert path is not None
+    ours, our_reads = _train(ctx, files, root, path, workers)
+    return ours, theirs, our_reads, their_reads
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(("world", "workers"), [(1, 0), (2, 0), (3, 0), (2, 2)])
 def test_a_streaming_run_stopped_and_resumed_ends_bit_for_bit_as_the_unbroken_run(
-    tmp_path: Path, world: int
+    tmp_path: Path, world: int, workers: int
 ) -> None:
     files = write_jsonl(tmp_path / "data", SAMPLES, 3)
-    run = functools.partial(run_ranks, timeout_s=240, start_method="forkserver")
-    unbroken = run(_train, world, files, tmp_path, None)
-    path = latest_checkpoint(tmp_path / "ckpt")
-    assert path is not None
-    resumed = run(_train, world, files, tmp_path, path)
+    ranks = run_ranks(
+        _both, world, files, tmp_path, workers, timeout_s=300, start_method="forkserver"
+    )
     size = BATCH * world
-    consumed = STOP * size
-    for (ours, our_reads), (theirs, _) in zip(resumed, unbroken, strict=True):
+    for ours, theirs, our_reads, their_reads in ranks:
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
-        # Epoch 0 resumed after STOP global batches: the skipped samples are not read
-        # (the head again only for the padding), then epoch 1 whole.
+        # Each rank reads every sample once per epoch (with workers, a worker its
+        # shards), the unbroken run and the resumed run alike.
+        assert sorted(their_reads) == sorted(2 * list(range(SAMPLES)))
+        if workers:
+            # The resumed run skips the STOP global batches read before the stop
+            # and reads at most each worker's first global batch again (to pad).
+            assert len(our_reads) <= len(their_reads) - STOP * size + workers * size
+            continue
+        # Epoch 0 resumed after STOP global batches: the skipped samples are not
+        # read (the head again only for the padding), then epoch 1 whole.
         head = list(range(size)) if SAMPLES % size and world > 1 else []
-        epoch0 = list(range(consumed, SAMPLES)) + head
+        epoch0 = list(range(STOP * size, SAMPLES)) + head
         assert our_reads[: len(epoch0)] == epoch0
-        assert sorted(set(our_reads[len(epoch0) :])) == list(range(SAMPLES))
+        assert sorted(our_reads[len(epoch0) :]) == list(range(SAMPLES))

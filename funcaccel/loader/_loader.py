@@ -46,7 +46,8 @@ from funcaccel.loader._stream import epoch_length
 from funcaccel.loader._stream import length
 from funcaccel.loader._stream import local_batches
 from funcaccel.loader._stream import past_the_end
-from funcaccel.loader._stream import records
+from funcaccel.loader._stream_records import records
+from funcaccel.loader._workers import check_worker_state
 from funcaccel.mesh import ParallelMesh
 
 __all__ = [
@@ -184,7 +185,7 @@ class ShardedLoader:
         """
         setup, epoch = self._setup, self._epoch
         self._epoch = epoch + 1
-        if setup.dispatch:
+        if setup.dispatch or setup.stateful:
             return (batch.data for batch in records(setup, epoch, 0))
         return local_batches(setup, epoch)
 
@@ -352,5 +353,11 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
     check_type("iter_batches", "loader", loader, ShardedLoader, what=what)
     hint = "Use LoaderState.from_dict for a saved dict."
     check_type("iter_batches", "state", state, LoaderState, hint=hint)
-    skip = _skip(loader, state)
-    return records(loader._setup, state.epoch, skip, state.stream_state)
+    skip, setup = _skip(loader, state), loader._setup
+    if setup.stateful and state.stream_state is not None and skip:
+        assert setup.inner is not None and setup.total_batch_size is not None
+        ranks, samples = loader.data_parallel_size, skip * setup.total_batch_size
+        fix = _FIX_STREAM.format(state.stream_ranks, ranks, samples, state.epoch + 1)
+        workers, total = setup.inner.num_workers, setup.total_batch_size
+        check_worker_state(state.stream_state, workers, total, state.epoch, fix)
+    return records(setup, state.epoch, skip, state.stream_state)

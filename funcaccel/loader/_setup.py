@@ -41,7 +41,8 @@ from funcaccel.loader._reading import CountedStream
 from funcaccel.loader._reading import IndexSlot
 from funcaccel.loader._reading import TaggedCollate
 from funcaccel.loader._stateful import StatefulStream
-from funcaccel.loader._stateful import is_stateful
+from funcaccel.loader._stateful import stateful_loader
+from funcaccel.loader._stateful import stream_resumes
 from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import check_mesh
 from funcaccel.sharding import shard_batch_sampler
@@ -53,7 +54,6 @@ __all__ = [
     "build_setup",
     "kept_settings",
     "plan_setup",
-    "stream_resumes",
 ]
 
 SliceFn = Callable[[Any, slice], Any]
@@ -337,8 +337,11 @@ def _iterable_inner(
 ) -> tuple[DataLoader[Any] | None, bool]:
     """Return the inner loader over iterable data and whether it counts samples."""
     bs, total = plan.batch_size, plan.total_batch_size
-    if stream_resumes(dataset, plan, kept):
-        return _stateful_inner(dataset, plan, kept, drop_last=drop_last, split=split)
+    if stream_resumes(dataset, plan.dispatch, plan.total_batch_size, kept):
+        assert bs is not None and total is not None  # stream_resumes
+        view = plan.view
+        layout = (bs, total, view.num_processes, view.process_index, split, drop_last)
+        return stateful_loader(dataset, layout, kept), False
     counted = not (
         plan.dispatch or drop_last or total is None or isinstance(dataset, Sized)
     )
@@ -361,42 +364,6 @@ def _iterable_inner(
         stream = CountedStream(dataset, shard)
         kept["collate_fn"] = TaggedCollate(kept["collate_fn"])
     return DataLoader(stream, batch_size=size, drop_last=drop_last, **kept), counted
-
-
-def stream_resumes(dataset: Any, plan: LoaderPlan, kept: Mapping[str, Any]) -> bool:
-    """Whether the loader reads ``dataset`` through a ``StatefulStream``.
-
-    The rules: docs/data.md#resuming-a-stream (a stateful dataset, sharded or on one
-    process, batched, read in this process).
-    """
-    return (
-        is_stateful(dataset)
-        and not plan.dispatch
-        and plan.total_batch_size is not None
-        and kept["num_workers"] == 0
-    )
-
-
-def _stateful_inner(
-    dataset: Any,
-    plan: LoaderPlan,
-    kept: dict[str, Any],
-    *,
-    drop_last: bool,
-    split: bool,
-) -> tuple[DataLoader[Any], bool]:
-    """Return the inner loader over a ``StatefulStream`` of ``dataset``."""
-    bs, total, view = plan.batch_size, plan.total_batch_size, plan.view
-    assert bs is not None and total is not None  # stream_resumes
-    p = view.num_processes
-    size = total if p > 1 else bs
-    c = total // p if split else bs
-    lo = view.process_index * c if p > 1 else 0
-    stream = StatefulStream(
-        dataset, size=size, lo=lo, hi=lo + c, pad=p > 1, drop_last=drop_last
-    )
-    kept["collate_fn"] = TaggedCollate(kept["collate_fn"])
-    return DataLoader(stream, batch_size=c, drop_last=drop_last, **kept), False
 
 
 def _map_inner(

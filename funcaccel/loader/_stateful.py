@@ -18,13 +18,30 @@ The rules: docs/data.md#resuming-a-stream.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from typing import Final
 
+from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset
+from torch.utils.data import get_worker_info
 
-__all__ = ["Resume", "StatefulStream", "is_stateful", "StreamTag"]
+from funcaccel.loader._reading import TaggedCollate
+
+__all__ = [
+    "DONE",
+    "Resume",
+    "StatefulStream",
+    "StreamCollate",
+    "StreamTag",
+    "WorkerResumes",
+    "is_stateful",
+    "stateful_loader",
+    "stream_resumes",
+]
 
 
 def is_stateful(dataset: object) -> bool:
@@ -56,6 +73,8 @@ class StreamTag:
 
     seen: int
     state: Any
+    worker: int = 0
+    end: bool = False  # the end marker of a worker's stream (its sample is None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +88,12 @@ class Resume:
 
     consumed: int
     state: Any
+
+
+# What each worker process of a loader with workers resumes from, by worker id:
+# a Resume, None (its stream from the start) or DONE (its stream had ended).
+WorkerResumes = tuple["Resume | None | str", ...]
+DONE: Final = "done"
 
 
 class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
@@ -111,14 +136,18 @@ class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
         hi: int,
         pad: bool,
         drop_last: bool,
+        mark_end: bool = False,
     ) -> None:
         self.dataset = dataset
         self.size, self.lo, self.hi = size, lo, hi
-        self.pad, self.drop_last = pad, drop_last
-        self._resume: Resume | None = None
+        self.pad, self.drop_last, self.mark_end = pad, drop_last, mark_end
+        self._resume: Resume | WorkerResumes | None = None
 
-    def load_(self, resume: Resume | None) -> None:
-        """Make the next ``iter()`` start after ``resume`` (``None``: at the epoch's start)."""
+    def load_(self, resume: Resume | WorkerResumes | None) -> None:
+        """Make the next ``iter()`` start after ``resume`` (``None``: at the epoch's start).
+
+        A tuple gives each worker process its own (indexed by worker id).
+        """
         self._resume = resume
 
     def _head(self) -> list[Any]:
@@ -138,7 +167,23 @@ class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
         return source
 
     def __iter__(self) -> Iterator[tuple[Any, StreamTag]]:
-        resume, size, lo, hi = self._resume, self.size, self.lo, self.hi
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        loaded = self._resume
+        mine = loaded[worker] if isinstance(loaded, tuple) else loaded
+        seen = 0
+        if isinstance(mine, Resume):
+            seen = mine.consumed
+            yield from self._samples(mine, worker)
+        elif mine is None:
+            yield from self._samples(None, worker)
+        if self.mark_end:
+            yield None, StreamTag(seen, None, worker, end=True)
+
+    def _samples(
+        self, resume: Resume | None, worker: int
+    ) -> Iterator[tuple[Any, StreamTag]]:
+        size, lo, hi = self.size, self.lo, self.hi
         source = self._source(resume)
         seen = 0 if resume is None else resume.consumed
         first: list[Any] | None = None  # the epoch's first full global batch
@@ -147,7 +192,7 @@ class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
             buffer.append(sample)
             if len(buffer) == size:
                 seen += size
-                tag = StreamTag(seen, source.state_dict())
+                tag = StreamTag(seen, source.state_dict(), worker)
                 yield from ((kept, tag) for kept in buffer[lo:hi])
                 if seen == size:  # not resumed: the epoch's first global batch
                     first = buffer
@@ -155,7 +200,7 @@ class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
         if not buffer or self.drop_last:
             return
         seen += len(buffer)
-        end = StreamTag(seen, None)
+        end = StreamTag(seen, None, worker)
         if self.pad:
             if first is None:
                 # Resumed after at least one full global batch: read the first again.
@@ -163,3 +208,75 @@ class StatefulStream(IterableDataset[tuple[Any, StreamTag]]):
             # The loop-back of shard_iterable_dataset: cycle through ``first``.
             buffer += [first[t % len(first)] for t in range(size - len(buffer))]
         yield from ((kept, end) for kept in buffer[lo:hi])
+
+
+class StreamCollate:
+    """Collate a worker's ``StatefulStream`` batch: ``(data, tag, ended)``.
+
+    The end marker is left out of the data; ``data`` is ``None`` when the batch
+    held nothing else. ``tag`` is the last real sample's (the marker's when none).
+
+    >>> end = StreamTag(3, None, 1, end=True)
+    >>> StreamCollate(list)([("a", StreamTag(3, {}, 1)), (None, end)])
+    (['a'], StreamTag(seen=3, state={}, worker=1, end=False), True)
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(
+        self, items: list[tuple[Any, StreamTag]]
+    ) -> tuple[Any, StreamTag, bool]:
+        real = [(sample, tag) for sample, tag in items if not tag.end]
+        ended = items[-1][1].end
+        if not real:
+            return None, items[-1][1], ended
+        return self.collate_fn([sample for sample, _ in real]), real[-1][1], ended
+
+
+def stream_resumes(
+    dataset: Any, dispatch: bool, total: int | None, kept: Mapping[str, Any]
+) -> bool:
+    """Whether ``shard_loader`` reads ``dataset`` through a ``StatefulStream``.
+
+    A stateful dataset, batched (``total`` is the global batch size), read by
+    every rank (not dispatched), in this process or by workers that start afresh
+    each epoch (persistent ones keep the stream they were given first).
+    """
+    return (
+        is_stateful(dataset)
+        and not dispatch
+        and total is not None
+        and not (kept["num_workers"] and kept["persistent_workers"])
+    )
+
+
+def stateful_loader(
+    dataset: Any,
+    shard: tuple[int, int, int, int, bool, bool],
+    kept: dict[str, Any],
+) -> DataLoader[Any]:
+    """Return the inner ``DataLoader`` over a ``StatefulStream`` of ``dataset``.
+
+    ``shard`` is ``(bs, G, ranks, rank, split_batches, drop_last)``; ``kept`` the
+    settings the inner loader keeps (its ``collate_fn`` is wrapped).
+    """
+    bs, total, p, rank, split, drop_last = shard
+    c = total // p if split else bs
+    lo = rank * c if p > 1 else 0
+    workers = kept["num_workers"] > 0
+    stream = StatefulStream(
+        dataset,
+        size=total if p > 1 else bs,
+        lo=lo,
+        hi=lo + c,
+        pad=p > 1,
+        drop_last=drop_last,
+        mark_end=workers,
+    )
+    settings = dict(kept)
+    if workers:  # docs/data.md#worker-processes: each worker marks its end
+        settings["collate_fn"] = StreamCollate(kept["collate_fn"])
+        return DataLoader(stream, batch_size=c, drop_last=False, **settings)
+    settings["collate_fn"] = TaggedCollate(kept["collate_fn"])
+    return DataLoader(stream, batch_size=c, drop_last=drop_last, **settings)

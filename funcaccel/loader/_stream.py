@@ -32,15 +32,19 @@ from funcaccel.rng import sync_rng_states
 from funcaccel.sharding import shard_batch_sampler
 
 __all__ = [
+    "END",
     "epoch_length",
+    "epoch_samples",
     "length",
     "local_batches",
     "open_epoch",
     "past_the_end",
-    "records",
+    "plain_records",
+    "skip_exactly",
+    "start_epoch",
 ]
 
-_END: Final = object()
+END: Final = object()
 
 
 def _unsized(what: object) -> TypeError:
@@ -92,7 +96,7 @@ def epoch_length(setup: Setup) -> int:
     return length(setup, 0)
 
 
-def _epoch_samples(setup: Setup) -> int | None:
+def epoch_samples(setup: Setup) -> int | None:
     """Return ``n`` for the remainder: ``len(sampler)``, or ``len(dataset)``."""
     if setup.base is not None:
         stream = setup.base.for_length()
@@ -105,7 +109,7 @@ def _epoch_samples(setup: Setup) -> int | None:
     return len(dataset) if isinstance(dataset, Sized) else None
 
 
-def _start_epoch(setup: Setup, epoch: int, skip: int) -> None:
+def start_epoch(setup: Setup, epoch: int, skip: int) -> None:
     """Start an epoch on every rank: synchronise, seed, ``set_epoch``, then draw.
 
     The rules: docs/loader.md#semantics-epoch-order-and-rng-synchronisation. The
@@ -148,7 +152,7 @@ def past_the_end(
     )
 
 
-def _skip_exactly(
+def skip_exactly(
     setup: Setup, iterator: Iterator[Any], skip: int, epoch: int, group: int = 1
 ) -> None:
     """Drop this rank's first ``skip`` items; a stream that ends first is an error.
@@ -176,7 +180,7 @@ def open_epoch(
     stateful stream given its ``stream_state`` loads it (docs/data.md); other
     iterable data has the skipped batches read and dropped.
     """
-    _start_epoch(setup, epoch, skip)
+    start_epoch(setup, epoch, skip)
     assert setup.inner is not None  # only dispatch ranks > 0 have none
     if setup.base is None:
         jump = setup.stateful and skip > 0 and stream_state is not None
@@ -184,10 +188,11 @@ def open_epoch(
             stream: Any = setup.inner.dataset
             total = setup.total_batch_size
             assert isinstance(stream, StatefulStream) and total is not None
-            stream.load_(Resume(skip * total, stream_state) if jump else None)
+            resume = Resume(skip * total, stream_state["source"]) if jump else None
+            stream.load_(resume)
         batches = iter(setup.inner)
         if not jump:
-            _skip_exactly(setup, batches, skip, epoch)
+            skip_exactly(setup, batches, skip, epoch)
         return batches
     ctx, stream = setup.view, setup.base.for_epoch(epoch)
     indices: Iterator[Any]
@@ -213,7 +218,7 @@ def local_batches(setup: Setup, epoch: int) -> Iterator[Any]:
     batches = open_epoch(setup, epoch, 0)
     device = setup.ctx.device if setup.put_on_device else None
     non_blocking = setup.non_blocking
-    if setup.counted or setup.stateful:
+    if setup.counted:
         batches = (data for data, _ in batches)
     if device is None:
         yield from batches
@@ -237,9 +242,7 @@ def _dispatch_base(
         batches = iter(setup.inner)
         if skip:
             head[:] = itertools.islice(batches, head_count)
-            _skip_exactly(
-                setup, itertools.chain(head, batches), skip, epoch, head_count
-            )
+            skip_exactly(setup, itertools.chain(head, batches), skip, epoch, head_count)
         yield from batches
         return
     stream = setup.base.for_epoch(epoch)
@@ -252,30 +255,22 @@ def _dispatch_base(
         indices = iter(stream)  # the user's own: one pass, head first
         if skip:
             head[:] = itertools.islice(indices, head_count)
-            _skip_exactly(
-                setup, itertools.chain(head, indices), skip, epoch, head_count
-            )
+            skip_exactly(setup, itertools.chain(head, indices), skip, epoch, head_count)
     yield from read_batches(setup.inner, indices, batched=setup.base.fetch_batched)
 
 
-def records(
-    setup: Setup, epoch: int, skip: int, stream_state: Any = None
-) -> Iterator[Batch]:
+def plain_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     """Yield the ``Batch`` records of ``epoch`` after this rank's first ``skip``.
 
-    ``stream_state`` is a stateful stream's position after those batches
-    (``LoaderState.stream_state``); other loaders ignore it.
+    For every loader but one over a ``StatefulStream`` (``_stream_records.py``).
     """
     if setup.dispatch:
         yield from _dispatched_records(setup, epoch, skip)
         return
-    if setup.stateful:
-        yield from _stateful_records(setup, epoch, skip, stream_state)
-        return
     if setup.counted:
         yield from _counted_records(setup, epoch, skip)
         return
-    total, n = setup.total_batch_size, _epoch_samples(setup)
+    total, n = setup.total_batch_size, epoch_samples(setup)
     known = not (setup.drop_last or total is None or n is None)
     remainder = n % total if known and n is not None and total else -1
     device = setup.ctx.device if setup.put_on_device else None
@@ -283,8 +278,8 @@ def records(
     items = open_epoch(setup, epoch, skip)
     # One batch ahead, so that the last one is known while it is processed. The
     # loops are written out per case: this runs once per batch.
-    current = next(items, _END)
-    if current is _END:
+    current = next(items, END)
+    if current is END:
         return
     index = skip
     if device is None:
@@ -307,8 +302,8 @@ def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     assert total is not None and not setup.drop_last  # see build_setup
     device = setup.ctx.device if setup.put_on_device else None
     items = open_epoch(setup, epoch, skip)
-    current: Any = next(items, _END)
-    if current is _END:
+    current: Any = next(items, END)
+    if current is END:
         return
     index = skip
     for following in items:
@@ -325,36 +320,9 @@ def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     yield make_batch(data, index, True, seen % total, epoch, total)
 
 
-def _stateful_records(
-    setup: Setup, epoch: int, skip: int, stream_state: Any
-) -> Iterator[Batch]:
-    """``records`` for a ``StatefulStream``: each record carries the stream's state."""
-    total, n = setup.total_batch_size, _epoch_samples(setup)
-    assert total is not None  # stream_resumes
-    ranks = setup.view.num_processes
-    device = setup.ctx.device if setup.put_on_device else None
-    fixed = -1 if setup.drop_last or n is None else n % total
-    items = open_epoch(setup, epoch, skip, stream_state)
-    current: Any = next(items, _END)
-    if current is _END:
-        return
-    index = skip
-    for following in items:
-        data, tag = current
-        if device is not None:
-            data = send_tree(data, device, setup.non_blocking)
-        yield make_batch(data, index, False, fixed, epoch, total, tag.state, ranks)
-        current, index = following, index + 1
-    data, tag = current
-    if device is not None:
-        data = send_tree(data, device, setup.non_blocking)
-    last = fixed if n is not None or setup.drop_last else tag.seen % total
-    yield make_batch(data, index, True, last, epoch, total, tag.state, ranks)
-
-
 def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     ctx, view = setup.ctx, setup.view
-    _start_epoch(setup, epoch, skip)
+    start_epoch(setup, epoch, skip)
     group = 1 if setup.split_batches else view.num_processes
     base: Iterator[Any] | None = None
     pad_source: Callable[[], list[Any]] | None = None
