@@ -133,6 +133,9 @@ if TYPE_CHECKING:
     from funcaccel.local_sgd import local_sgd_ctx as local_sgd_ctx
     from funcaccel.local_sgd import local_sgd_step as local_sgd_step
     from funcaccel.pipeline import pipeline_step as pipeline_step
+    from funcaccel.planning import MemoryEstimate as MemoryEstimate
+    from funcaccel.planning import RankMemory as RankMemory
+    from funcaccel.planning import estimate_memory as estimate_memory
     from funcaccel.plot import plot_metrics as plot_metrics
     from funcaccel.process import get_logger as get_logger
     from funcaccel.process import local_main_process_first as local_main_process_first

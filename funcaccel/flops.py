@@ -32,12 +32,12 @@ from funcaccel._checks import fail_value
 from funcaccel._tree import flatten
 from funcaccel._tree import tree_map
 
-__all__ = ["count_flops"]
+__all__ = ["count_flops", "output_loss"]
 
 _CALLER = "count_flops"
 
 
-def _default_loss(output: object) -> torch.Tensor:
+def output_loss(output: object) -> torch.Tensor:
     """The model's own ``loss`` when it returns one, else the sum of its outputs."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -170,6 +170,6 @@ def count_flops(
     with mode, counter:
         output = _call(model, state, batch)
         if backward:
-            loss = (loss_fn or _default_loss)(output)
+            loss = (loss_fn or output_loss)(output)
             torch.autograd.grad(loss, wanted, allow_unused=True)
     return int(counter.get_total_flops())

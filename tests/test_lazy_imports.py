@@ -25,6 +25,7 @@ LOADED_LATER: Final = frozenset(
         "funcaccel.local_sgd",
         "funcaccel.pipeline",
         "funcaccel.plot",
+        "funcaccel.planning",
         "funcaccel.process",
         "funcaccel.profiler",
         "funcaccel.scheduler",

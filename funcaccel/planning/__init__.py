@@ -1,0 +1,15 @@
+"""Planning a run before launching it: memory estimates and dry runs at any world size.
+
+``estimate_memory`` (``_memory.py``) runs one training step of the user's model
+at a world size on torch's fake process group and fake tensors, in this process
+(``_fake_world.py``), and returns a ``MemoryEstimate`` (``_estimate.py``).
+"""
+
+from __future__ import annotations
+
+from funcaccel.planning._estimate import NOT_COUNTED
+from funcaccel.planning._estimate import MemoryEstimate
+from funcaccel.planning._estimate import RankMemory
+from funcaccel.planning._memory import estimate_memory
+
+__all__ = ["NOT_COUNTED", "MemoryEstimate", "RankMemory", "estimate_memory"]

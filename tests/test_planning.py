@@ -1,0 +1,217 @@
+"""estimate_memory: the held parts equal the closed form; peaks, ranks and errors.
+
+Every estimate runs in this process on torch's fake process group and fake
+tensors; the autouse fixture in conftest.py fails a test that leaves a group.
+The closed form: a float32 parameter of n elements sharded over s ranks is
+4 * n / s bytes on each, its gradient the same, AdamW's state twice that plus a
+4-byte step counter per parameter tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from funcaccel.model import FSDPOptions
+from funcaccel.planning import MemoryEstimate
+from funcaccel.planning import RankMemory
+from funcaccel.planning import estimate_memory
+
+F32 = 4
+
+
+def _mlp(blocks: int = 2, width: int = 64) -> nn.Sequential:
+    return nn.Sequential(
+        *(
+            nn.Sequential(
+                nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width)
+            )
+            for _ in range(blocks)
+        )
+    )
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+BATCH = torch.zeros(8, 64)
+# Per block: up (128 x 64 + 128) and down (64 x 128 + 64); 4 tensors.
+UP, UP_B, DOWN, DOWN_B = 128 * 64, 128, 64 * 128, 64
+
+
+def _closed_form(elements: int, tensors: int) -> tuple[int, int, int]:
+    """(parameters, gradients, AdamW state) bytes of ``elements`` float32 values."""
+    return elements * F32, elements * F32, 2 * elements * F32 + tensors * F32
+
+
+def _held(estimate: MemoryEstimate) -> list[tuple[int, int, int]]:
+    return [(r.parameters, r.gradients, r.optimizer_state) for r in estimate.ranks]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shards"),
+    [
+        ({"world_size": 8, "fsdp": FSDPOptions(shard_modules=(nn.Sequential,))}, 8),
+        ({"world_size": 8, "dp_replicate": 2, "fsdp": FSDPOptions()}, 4),  # HSDP 2x4
+        # 4,096 ranks as HSDP 64 x 64 (FSDP2 builds a chunk per shard rank for
+        # every parameter: 4,096 shards of each would take minutes here).
+        ({"world_size": 4096, "dp_replicate": 64, "fsdp": FSDPOptions()}, 64),
+        ({"world_size": 8}, 1),  # DDP: every rank holds the whole model
+    ],
+)
+def test_held_parts_equal_the_closed_form(sizes: dict[str, Any], shards: int) -> None:
+    estimate = estimate_memory(_mlp, BATCH, optimizer_fn=_adamw, **sizes)
+    elements = 2 * (UP + UP_B + DOWN + DOWN_B)
+    assert _held(estimate) == [_closed_form(elements // shards, 8)]
+
+
+# RowwiseParallel hands on its local output as a view; torch warns that an
+# in-place op on it would skip FSDP2's hook. The model does none.
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+def test_fsdp_times_tp_shards_by_the_plan_then_over_dp_shard() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    plan = {
+        f"{b}.{i}": style
+        for b in "01"
+        for i, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))
+    }
+    estimate = estimate_memory(
+        _mlp, BATCH, optimizer_fn=_adamw, world_size=8, dp_shard=4, tp=2,
+        tp_plan=plan, fsdp=FSDPOptions(),
+    )  # fmt: skip
+    assert estimate.strategy == "fsdp+tp" and estimate.mesh == (1, 4, 2)
+    # tp halves up (rows) and down's weight (columns); down's bias is replicated
+    # over tp; then every tensor is split over the 4 dp_shard ranks.
+    per_block = (UP // 2 + UP_B // 2 + DOWN // 2 + DOWN_B) // 4
+    assert _held(estimate) == [_closed_form(2 * per_block, 8)]
+
+
+def test_uneven_shards_report_the_last_rank_separately() -> None:
+    estimate = estimate_memory(
+        lambda: nn.Linear(4, 1024), torch.zeros(2, 4), optimizer_fn=_adamw,
+        world_size=6, fsdp=FSDPOptions(),
+    )  # fmt: skip
+    first, last = estimate.ranks
+    assert (first.rank, last.rank) == (0, 5)
+    # 1,024 rows over 6 ranks: chunks of 171, the last 1024 - 5 * 171 = 169.
+    assert first.parameters == 171 * 5 * F32 and last.parameters == 169 * 5 * F32
+    assert estimate.peak == max(first.peak, last.peak)
+
+
+def test_peak_parts_add_up_and_grow_with_accumulation_and_batch() -> None:
+    fsdp = FSDPOptions(shard_modules=(nn.Sequential,))
+    one = estimate_memory(_mlp, BATCH, optimizer_fn=_adamw, world_size=4, fsdp=fsdp)
+    (rank,) = one.ranks
+    parts = dict(rank.peak_parts)
+    assert sum(parts.values()) == rank.peak
+    assert parts["optimizer state"] == rank.optimizer_state  # held at the peak
+    assert rank.peak > rank.model_state
+    bigger = estimate_memory(
+        _mlp, torch.zeros(512, 64), optimizer_fn=_adamw, world_size=4, fsdp=fsdp
+    )
+    assert dict(bigger.ranks[0].peak_parts)["activations"] > parts["activations"]
+    # Accumulation under FSDP2 keeps unsharded gradients between micro-batches.
+    two = estimate_memory(
+        _mlp, BATCH, optimizer_fn=_adamw, world_size=4, fsdp=fsdp, accumulation_steps=2
+    )
+    assert two.peak > one.peak
+    assert one.peak_with_margin == -(-one.peak * 11 // 10)
+    text = one.table()
+    assert "fsdp on 4 ranks" in text and "| **peak** |" in text and "NCCL" in text
+    assert one.to_dict()["ranks"][0]["parameters"] == rank.parameters
+
+
+def test_estimate_memory_refuses_an_existing_group_and_leaves_none() -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", world_size=2, rank=0, store=FakeStore())
+    try:
+        with pytest.raises(
+            RuntimeError,
+            match=r"estimate_memory: a default process group is already initialised .*world_size=2",
+        ):
+            estimate_memory(_mlp, BATCH, optimizer_fn=_adamw, world_size=8)
+    finally:
+        dist.destroy_process_group()
+
+    def broken() -> nn.Module:
+        raise KeyError("no such layer")
+
+    with pytest.raises(KeyError):
+        estimate_memory(broken, BATCH, optimizer_fn=_adamw, world_size=8)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"world_size": 8, "dp_shard": 3, "fsdp": FSDPOptions()},
+            ValueError,
+            r"build_mesh: .* must be the world size \(8\)",
+        ),
+        (
+            {"world_size": 0},
+            ValueError,
+            r"estimate_memory: world_size \(0\) must be >= 1",
+        ),
+        (
+            {"world_size": 2, "margin": -0.1},
+            ValueError,
+            r"estimate_memory: margin must be a finite",
+        ),
+        (
+            {"world_size": 2, "optimizer_fn": None},
+            TypeError,
+            r"estimate_memory: optimizer_fn must be a function",
+        ),
+        (
+            {"world_size": 2, "accumulation_steps": 0},
+            ValueError,
+            r"accumulation_steps \(0\)",
+        ),
+    ],
+)
+def test_estimate_memory_refuses_bad_arguments(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    arguments: dict[str, Any] = {"optimizer_fn": _adamw, **kwargs}
+    with pytest.raises(error, match=match):
+        estimate_memory(_mlp, BATCH, **arguments)
+    assert not dist.is_initialized()
+
+
+def test_a_tp_plan_naming_a_missing_module_is_wrap_models_error() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(
+        ValueError, match=r"wrap_model: every tp_plan key must be .*got 'attn'"
+    ):
+        estimate_memory(
+            _mlp, BATCH, optimizer_fn=_adamw, world_size=4, tp=2, dp_shard=2,
+            fsdp=FSDPOptions(), tp_plan={"attn": ColwiseParallel()},
+        )  # fmt: skip
+    with pytest.raises(
+        TypeError, match=r"estimate_memory: model_fn must be a function"
+    ):
+        estimate_memory(_mlp(), BATCH, optimizer_fn=_adamw, world_size=2)
+
+
+def test_memory_values_check_their_fields() -> None:
+    rank = RankMemory(rank=0, parameters=1, gradients=1, optimizer_state=2, peak=8)
+    with pytest.raises(ValueError, match=r"MemoryEstimate: ranks must be at least one"):
+        MemoryEstimate(world_size=1, mesh=(1, 1, 1), strategy="none", ranks=())
+    with pytest.raises(ValueError, match=r"RankMemory: peak \(-1\) must be >= 0"):
+        RankMemory(rank=0, parameters=1, gradients=1, optimizer_state=2, peak=-1)
+    est = MemoryEstimate(
+        world_size=1, mesh=(1, 1, 1), strategy="none", ranks=(rank,), margin=0.5
+    )
+    assert est.peak_with_margin == 12 and est.fits(12) and not est.fits(11)
