@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ["no_sync_models"]
 
+# Where wrap_model keeps FSDPOptions.accumulation_comm on a sharded root (the
+# value of funcaccel.model._fsdp.ACCUMULATION_COMM_ATTRIBUTE, which this lower
+# tier cannot import).
+_COMM_ATTRIBUTE: Final = "_funcaccel_accumulation_comm"
 _STATIC_GRAPH: Final = (
     "False to skip the gradient all-reduce (torch fails inside no_sync())"
 )
@@ -45,9 +49,12 @@ def no_sync_models(
     ``no_sync``, ``sync_ctx`` and ``accumulate_step`` all enter this one (the
     last two only on a micro-step that skips its sync; the checks are theirs).
     Each DDP module (inside ``torch.compile``'s wrapper too) enters its
-    ``no_sync()``; each FSDP2 module is switched to
-    ``set_requires_gradient_sync(False)``, and back to ``True`` on exit, on error
-    too; other modules are untouched. A single model, the usual case, gets its
+    ``no_sync()``; each FSDP2 module follows the ``FSDPOptions.accumulation_comm``
+    it was sharded with: ``"defer_all"`` (the default) switches it to
+    ``set_requires_gradient_sync(False)``, ``"defer_replica_all_reduce"`` to
+    ``set_requires_all_reduce(False)`` (both set back to ``True`` on exit, on
+    error too), ``"reduce_scatter_each_step"`` leaves it syncing; other modules
+    are untouched. A single model, the usual case, gets its
     own context directly, without an ``ExitStack``, as this runs per micro-step.
 
     Raises:
@@ -60,6 +67,7 @@ def no_sync_models(
 
 
 def _no_sync_one(caller: str, wrapped: nn.Module) -> AbstractContextManager[None]:
+    # The rules of this function are no_sync_models's docstring.
     model = inside_compile(wrapped)
     if isinstance(model, DistributedDataParallel):
         if model.static_graph:
@@ -68,7 +76,12 @@ def _no_sync_one(caller: str, wrapped: nn.Module) -> AbstractContextManager[None
         manager: AbstractContextManager[None] = model.no_sync()
         return manager
     if is_fsdp_module(model):
-        return _fsdp_no_sync(model)
+        comm = getattr(model, _COMM_ATTRIBUTE, "defer_all")
+        if comm == "defer_all":
+            return _fsdp_no_sync(model)
+        if comm == "defer_replica_all_reduce":
+            return _fsdp_no_replica_all_reduce(model)
+        assert comm == "reduce_scatter_each_step", comm
     return contextlib.nullcontext()
 
 
@@ -78,6 +91,15 @@ def _no_sync_all(caller: str, models: tuple[nn.Module, ...]) -> Iterator[None]:
         for model in models:
             stack.enter_context(_no_sync_one(caller, model))
         yield
+
+
+@contextlib.contextmanager
+def _fsdp_no_replica_all_reduce(model: FSDPModule) -> Iterator[None]:
+    try:  # as in _fsdp_no_sync
+        model.set_requires_all_reduce(False)
+        yield
+    finally:
+        model.set_requires_all_reduce(True)
 
 
 @contextlib.contextmanager

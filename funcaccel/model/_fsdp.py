@@ -15,10 +15,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Final
+from typing import Literal
 
 import torch
 from torch import nn
 
+from funcaccel._checks import check_choice
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
@@ -26,6 +28,7 @@ from funcaccel._dist_types import is_fsdp_module
 from funcaccel._dist_types import is_instance_if_loaded
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
+from funcaccel.model._fast_order import refuse_compile_wrappers
 from funcaccel.model._fsdp_gloo import install_gloo_reduce_scatter
 from funcaccel.model._meta import place_
 from funcaccel.model._rebind import as_optimizers
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
+    "ACCUMULATION_COMM_ATTRIBUTE",
+    "AccumulationComm",
     "FSDPOptions",
     "check_fsdp",
     "check_fsdp_options",
@@ -55,6 +60,12 @@ _RESHARD: Final = "a bool, an int or None"
 _POLICY_TYPE: Final = ("torch.distributed.fsdp", "MixedPrecisionPolicy")
 _POLICY: Final = "a torch.distributed.fsdp.MixedPrecisionPolicy or None"
 _POLICY_EXAMPLE: Final = "Use e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+AccumulationComm = Literal[
+    "defer_all", "reduce_scatter_each_step", "defer_replica_all_reduce"
+]
+_COMMS: Final = ("defer_all", "reduce_scatter_each_step", "defer_replica_all_reduce")
+ACCUMULATION_COMM_ATTRIBUTE: Final = "_funcaccel_accumulation_comm"
+"""The attribute under which a sharded root keeps its ``accumulation_comm``."""
 _RESHARD_RANKS: Final = (
     "an int >= 1 (the number of ranks to reshard to), a bool or None"
 )
@@ -79,6 +90,20 @@ class FSDPOptions:
         mp_policy: torch's ``MixedPrecisionPolicy`` (``param_dtype``,
             ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``); ``None``
             computes and reduces in the parameters' dtype.
+        accumulation_comm: how gradients travel during an accumulation window
+            (the micro-steps ``accumulate_step``, ``sync_ctx`` and ``no_sync``
+            run without sync). ``"defer_all"`` (the default): no communication
+            until the window's last micro-step, while each rank accumulates
+            its *unsharded* gradients (memory of a whole model's gradients).
+            ``"reduce_scatter_each_step"``: every micro-step reduce-scatters
+            (and on HSDP all-reduces across replicas) into the sharded
+            gradients: the least memory, ``k`` times the traffic.
+            ``"defer_replica_all_reduce"``: every micro-step reduce-scatters
+            inside the shard group, but the all-reduce across replicas (HSDP's
+            ``dp_replicate``) waits for the window's end
+            (``set_requires_all_reduce(False)``); without replicas it is
+            ``"reduce_scatter_each_step"``. All three give the same
+            gradients, up to floating-point summation order.
 
     Raises:
         TypeError: a field of the wrong type.
@@ -88,6 +113,7 @@ class FSDPOptions:
     shard_modules: Sequence[type[nn.Module]] = ()
     reshard_after_forward: bool | int | None = True
     mp_policy: MixedPrecisionPolicy | None = None
+    accumulation_comm: AccumulationComm = "defer_all"
 
     def __post_init__(self) -> None:
         owner, classes = "FSDPOptions", self.shard_modules
@@ -106,6 +132,9 @@ class FSDPOptions:
         policy = self.mp_policy
         if policy is not None and not is_instance_if_loaded(policy, *_POLICY_TYPE):
             fail_type(owner, "mp_policy", policy, _POLICY, _POLICY_EXAMPLE)
+        comm = self.accumulation_comm
+        check_type(owner, "accumulation_comm", comm, str)
+        check_choice(owner, "accumulation_comm", comm, _COMMS)
 
 
 def check_fsdp_options(
@@ -146,6 +175,7 @@ def shard_model(
     options: FSDPOptions,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     device_mesh: DeviceMesh | None = None,
+    caller: str = "wrap_model",
 ) -> nn.Module:
     """Apply ``fully_shard`` in place to ``model``'s chosen submodules, then to it.
 
@@ -160,7 +190,12 @@ def shard_model(
 
     Returns:
         ``model`` itself, now an ``FSDPModule``.
+
+    Raises:
+        ValueError: a ``torch.compile`` wrapper among ``model``'s submodules
+            (its compiled code would bypass FSDP2's hooks; compile in place).
     """
+    refuse_compile_wrappers(caller, model)
     before = dict(model.named_parameters(remove_duplicate=False))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -190,6 +225,9 @@ def shard_model(
         mp_policy=policy,
     )
     install_gloo_reduce_scatter(model, ctx.device, mesh.get_all_groups())
+    # Read by the no-sync context (funcaccel._no_sync) on every micro-step that
+    # skips its sync: a property of the sharded model, like its hooks.
+    setattr(model, ACCUMULATION_COMM_ATTRIBUTE, options.accumulation_comm)
     rebind_by_name_(optimizers, before, model)
     return model
 
