@@ -132,6 +132,7 @@ if TYPE_CHECKING:
     from funcaccel.local_sgd import average_parameters_ as average_parameters_
     from funcaccel.local_sgd import local_sgd_ctx as local_sgd_ctx
     from funcaccel.local_sgd import local_sgd_step as local_sgd_step
+    from funcaccel.pipeline import pipeline_eval as pipeline_eval
     from funcaccel.pipeline import pipeline_step as pipeline_step
     from funcaccel.planning import MemoryEstimate as MemoryEstimate
     from funcaccel.planning import RankMemory as RankMemory

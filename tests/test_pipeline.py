@@ -22,6 +22,8 @@ from funcaccel import GradState
 from funcaccel import Pipeline
 from funcaccel import PipelineOptions
 from funcaccel import build_mesh
+from funcaccel import gather_for_metrics
+from funcaccel import pipeline_eval
 from funcaccel import pipeline_step
 from funcaccel import wrap_model
 from funcaccel.context import DistributedContext
@@ -114,6 +116,11 @@ def _reference(
         opt.step()
         opt.zero_grad()
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        x0, t0 = data[0]
+        out = model(x0)
+        losses.append(float(_mean_loss(out[:PER_RANK], t0[:PER_RANK])))
+    params["output"] = out
     return params, losses, norms
 
 
@@ -163,6 +170,15 @@ def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
         losses.append(float(loss))
         if grad.grad_norm is not None:
             norms.append(float(grad.grad_norm))
+    x0, t0 = _data(mesh.dp_size)[0]
+    evaluated: Any = None
+    if "zero_bubble" in options.schedule:
+        with pytest.raises(ValueError, match=r"pipeline_eval: pipe.options.schedule"):
+            pipeline_eval(ctx, pipe, (x0[rows], t0[rows]), _mean_loss)
+    else:
+        out, eval_loss = pipeline_eval(ctx, pipe, (x0[rows], t0[rows]), _mean_loss)
+        gathered = gather_for_metrics(ctx, out, batch=None, mesh=mesh)
+        evaluated = (out, float(eval_loss) if eval_loss is not None else None, gathered)
     params = {}
     for module in pipe.stage_modules:
         for name, value in module.state_dict().items():
@@ -172,6 +188,7 @@ def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
         "params": params,
         "losses": losses,
         "norms": norms,
+        "eval": evaluated,
         "dp_rank": mesh.dp_rank,
         "steps": grad.optimizer_steps,
         "stages": pipe.stage_indices,
@@ -182,6 +199,7 @@ def _check(
     results: list[dict[str, Any]], dp_size: int, tokens: bool, clip: float | None
 ) -> None:
     expected, ref_losses, ref_norms = _reference(dp_size, tokens, clip)
+    ref_out, ref_eval = expected.pop("output"), ref_losses.pop()
     assert len(ref_norms) == (2 if clip else 0)
     got: dict[str, torch.Tensor] = {}
     for r in results:
@@ -191,6 +209,15 @@ def _check(
             assert r["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-12)
         # The global norm over every stage, dp and tp rank, on every rank.
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-10)
+        if r["eval"] is None:  # refused for zero-bubble schedules
+            continue
+        out, loss, gathered = r["eval"]
+        # Forward only: the global batch's outputs through gather_for_metrics.
+        torch.testing.assert_close(gathered, ref_out, rtol=0, atol=1e-10)
+        rows = slice(r["dp_rank"] * PER_RANK, (r["dp_rank"] + 1) * PER_RANK)
+        torch.testing.assert_close(out, ref_out[rows], rtol=0, atol=1e-10)
+        if r["dp_rank"] == 0:
+            assert loss == pytest.approx(ref_eval, rel=1e-10)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10, msg=name)
