@@ -123,6 +123,17 @@ def test_bench_loader_runs() -> None:
     assert out.index("## One epoch: 256 samples") < out.index("## Resume")
 
 
+def test_bench_stream_resume_runs() -> None:
+    pytest.importorskip("datasets")
+    out = _run("bench_stream_resume", "--repeats", 2, "--samples", 256)
+    rows = [f"load the state at {p} %" for p in (10, 50, 90)]
+    rows.append("load at 10 % again (noise control)")
+    rows += [f"replay to {p} % (the cost it replaces)" for p in (10, 50, 90)]
+    one = ["1.000×", "1.000 – 1.000"]  # the median paired ratio and its IQR
+    _check_rows(out, rows, 5, {"load the state at 10 %": one})
+    assert "## Resume a stream: 256 samples" in out
+
+
 def test_bench_import_runs() -> None:
     out = _run("bench_import", "--repeats", 1)
     rows = [
