@@ -115,12 +115,14 @@ def _reference(
             norms.append(float(norm))
         opt.step()
         opt.zero_grad()
+        if start == 0:  # evaluated between the two windows
+            with torch.no_grad():
+                x0, t0 = data[0]
+                out = model(x0)
+                evaluated = float(_mean_loss(out[:PER_RANK], t0[:PER_RANK]))
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        x0, t0 = data[0]
-        out = model(x0)
-        losses.append(float(_mean_loss(out[:PER_RANK], t0[:PER_RANK])))
     params["output"] = out
+    losses.append(evaluated)
     return params, losses, norms
 
 
@@ -151,6 +153,7 @@ def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
     assert isinstance(pipe, Pipeline)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     grad, losses, norms = GradState(accumulation_steps=K), [], []
+    evaluated: Any = None
     rows = slice(mesh.dp_rank * PER_RANK, (mesh.dp_rank + 1) * PER_RANK)
     for step, (x, t) in enumerate(_data(mesh.dp_size)):
         batch = (x[rows], t[rows])
@@ -170,15 +173,26 @@ def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
         losses.append(float(loss))
         if grad.grad_norm is not None:
             norms.append(float(grad.grad_norm))
-    x0, t0 = _data(mesh.dp_size)[0]
-    evaluated: Any = None
-    if "zero_bubble" in options.schedule:
-        with pytest.raises(ValueError, match=r"pipeline_eval: pipe.options.schedule"):
-            pipeline_eval(ctx, pipe, (x0[rows], t0[rows]), _mean_loss)
-    else:
-        out, eval_loss = pipeline_eval(ctx, pipe, (x0[rows], t0[rows]), _mean_loss)
-        gathered = gather_for_metrics(ctx, out, batch=None, mesh=mesh)
-        evaluated = (out, float(eval_loss) if eval_loss is not None else None, gathered)
+        if step == 0 and "zero_bubble" not in options.schedule:
+            with pytest.raises(ValueError, match=r"an open accumulation window"):
+                pipeline_eval(ctx, pipe, batch, _mean_loss)
+        if step == K - 1:  # between the windows; training goes on after it
+            x0, t0 = _data(mesh.dp_size)[0]
+            if "zero_bubble" in options.schedule:
+                with pytest.raises(
+                    ValueError, match=r"pipeline_eval: pipe.options.schedule"
+                ):
+                    pipeline_eval(ctx, pipe, (x0[rows], t0[rows]), _mean_loss)
+            else:
+                out, eval_loss = pipeline_eval(
+                    ctx, pipe, (x0[rows], t0[rows]), _mean_loss
+                )
+                gathered = gather_for_metrics(ctx, out, batch=None, mesh=mesh)
+                evaluated = (
+                    out,
+                    float(eval_loss) if eval_loss is not None else None,
+                    gathered,
+                )
     params = {}
     for module in pipe.stage_modules:
         for name, value in module.state_dict().items():
