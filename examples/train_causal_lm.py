@@ -3,6 +3,7 @@
 One process:        python examples/train_causal_lm.py
 Two processes:      torchrun --standalone --nproc_per_node 2 examples/train_causal_lm.py
 Resume after a stop: the same command with --resume and the same --checkpoint-dir.
+A packed stream:    python examples/train_causal_lm.py --streaming --pack
 
 Needs transformers (``pip install 'funcaccel[lm]'``); nothing is downloaded. The
 model is a Llama built from a config (``--hidden`` wide, ``--layers`` decoder
@@ -28,6 +29,14 @@ model's logits bit for bit. The main process prints one line per epoch, then
 ``from_pretrained: identical logits``, a greedy sample from the loaded export and,
 last, ``param_sha256: <hex>``, a digest of the final parameters, so an
 interrupted-and-resumed run can be checked against an uninterrupted one.
+
+``--streaming`` writes the training sentences as JSON Lines files under the run
+directory and reads them back as a streaming ``datasets.IterableDataset`` (``pip
+install 'funcaccel[data]'``), whose position a checkpoint stores so that a resume
+reads none of the sentences before it; ``--pack`` packs the sentences into rows of
+``--seq-len`` tokens with ``pack_documents`` (labels never cross a sentence,
+``num_items`` counts exactly the predicted tokens) instead of padding each batch
+(docs/data.md).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +90,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10, help="optimizer steps")
     parser.add_argument("--resume", action="store_true", help="from --checkpoint-dir")
     parser.add_argument("--stop-after", type=int, default=None, help="optimizer steps")
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read the training sentences as a datasets stream of JSON Lines files "
+        "the script writes under the run directory (a resume loads its position)",
+    )
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack the sentences into rows of --seq-len tokens instead of padding",
+    )
+    parser.add_argument("--seq-len", type=int, default=64, help="row length (--pack)")
     parser.add_argument(
         "--peak-flops",
         default=None,
@@ -151,6 +173,88 @@ def collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
         "attention_mask": mask,
         "labels": ids.masked_fill(mask == 0, -100),  # no loss on the padding
     }
+
+
+def collate_records(records: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """``collate`` for the stream's records (``{"input_ids": [...]}``)."""
+    return collate([record["input_ids"] for record in records])
+
+
+def collate_packed(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack packed rows: ``input_ids``, ``labels``, ``position_ids`` for the model.
+
+    ``position_ids`` restart at every sentence; the segment ids are left out
+    (this Llama takes no per-document mask, so attention spans the row).
+    """
+    keys = ("input_ids", "labels", "position_ids")
+    return {key: torch.stack([row[key] for row in rows]) for key in keys}
+
+
+def sentence_stream(
+    ctx: fa.DistributedContext, rows: list[list[int]], data_dir: Path
+) -> Any:
+    """The token rows as a streaming ``datasets.IterableDataset`` of JSON Lines.
+
+    The main process writes them into 4 files under ``data_dir``, in order; every
+    rank then reads all the files as one stream (``pip install 'funcaccel[data]'``).
+    """
+    import datasets
+
+    files = [data_dir / f"part{k}.jsonl" for k in range(4)]
+    if ctx.is_main_process:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        per = -(-len(rows) // len(files))
+        for k, path in enumerate(files):
+            part = rows[k * per : (k + 1) * per]
+            path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in part))
+    fa.wait_for_everyone(ctx)
+    return datasets.load_dataset(
+        "json",
+        data_files=[str(f) for f in files],
+        split="train",
+        streaming=True,
+        cache_dir=str(data_dir / "cache"),
+    )
+
+
+def training_loader(
+    ctx: fa.DistributedContext,
+    args: argparse.Namespace,
+    rows: list[list[int]],
+    data_dir: Path,
+) -> tuple[fa.ShardedLoader, int]:
+    """The training loader and how many batches an epoch gives each rank.
+
+    Padded batches of shuffled sentences by default; ``--streaming`` reads them
+    as a stream (in file order), ``--pack`` packs them into rows of
+    ``--seq-len`` tokens (``pack_documents``). Streams and packed rows are read by
+    every rank (``dispatch_batches=False``) and resume in O(1).
+    """
+    stream = sentence_stream(ctx, rows, data_dir) if args.streaming else None
+    data: DataLoader[Any]
+    if args.pack:
+        documents: Any = rows if stream is None else stream
+        field = None if stream is None else "input_ids"
+        packed = fa.pack_documents(
+            documents, seq_len=args.seq_len, pad_id=PAD, field=field
+        )
+        data = DataLoader(packed, batch_size=args.batch_size, collate_fn=collate_packed)
+        count = sum(1 for _ in fa.pack_documents(rows, seq_len=args.seq_len))
+    elif stream is not None:
+        data = DataLoader(
+            stream, batch_size=args.batch_size, collate_fn=collate_records
+        )
+        count = len(rows)
+    else:
+        sentences_ = Sentences(rows)
+        data = DataLoader(
+            sentences_, batch_size=args.batch_size, shuffle=True, collate_fn=collate
+        )
+        loader = fa.shard_loader(ctx, data, seed=args.seed)
+        return loader, len(loader)
+    loader = fa.shard_loader(ctx, data, dispatch_batches=False)
+    assert loader.total_batch_size is not None
+    return loader, -(-count // loader.total_batch_size)
 
 
 def scored_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -357,14 +461,10 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     texts = sentences(args.sentences + 64, seed=args.seed)
     tok = CharTokenizer.over([*SUBJECTS, *VERBS, *OBJECTS, *ENDINGS, " and ."])
     encoded = [tok.encode(text) for text in texts]
-    train_rows = Sentences(encoded[: args.sentences])
     eval_rows = Sentences(encoded[args.sentences :])
-    loader = fa.shard_loader(
-        ctx,
-        DataLoader(
-            train_rows, batch_size=args.batch_size, shuffle=True, collate_fn=collate
-        ),
-        seed=args.seed,
+    run_dir = args.run_dir if args.run_dir is not None else default_run_dir(ctx)
+    loader, per_epoch = training_loader(
+        ctx, args, encoded[: args.sentences], run_dir / "corpus"
     )
     eval_loader = fa.shard_loader(
         ctx, DataLoader(eval_rows, batch_size=16, collate_fn=collate)
@@ -375,7 +475,7 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     fsdp = fa.FSDPOptions(shard_modules=(LlamaDecoderLayer,))
     model = fa.wrap_model(ctx, net, fsdp=fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    steps = args.epochs * -(-len(loader) // args.accumulation_steps)
+    steps = args.epochs * -(-per_epoch // args.accumulation_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear decay, counted per rank
         optimizer, lambda s: max(0.0, 1.0 - s / (steps * ctx.num_processes))
     )
@@ -395,7 +495,6 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
         else:
             fa.print_main(ctx, f"nothing to resume in {args.checkpoint_dir}: starting")
 
-    run_dir = args.run_dir if args.run_dir is not None else default_run_dir(ctx)
     trackers: list[fa.Tracker] = [fa.JSONLTracker(run_dir / "metrics.jsonl")]
     fa.store_config(ctx, trackers, {k: str(v) for k, v in vars(args).items()})
     pending: fa.PendingCheckpoint | None = None
@@ -409,9 +508,9 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
         batches = fa.progress(
             ctx,
             fa.iter_batches(loader, state),
-            total=len(loader) if state == fresh else None,
+            total=per_epoch if state == fresh else None,
             desc=f"epoch {epoch + 1}/{args.epochs}",
-            every=max(1, len(loader) // 4),
+            every=max(1, per_epoch // 4),
             throughput=lambda: rates,
         )
         for batch in batches:

@@ -200,3 +200,41 @@ def test_a_stopped_and_resumed_run_ends_like_an_unbroken_one(
     for whole, stopped, resumed in results:
         assert stopped is None
         assert isinstance(whole, str) and resumed == whole
+
+
+def test_a_streamed_packed_run_counts_every_token_and_resumes_like_an_unbroken_one(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # --streaming reads the sentences as a datasets stream of the JSON Lines files
+    # the script writes; --pack packs them into rows of --seq-len tokens. 48
+    # sentences make 9 batches of 4 rows an epoch: windows of 5 and 4, so the stop
+    # after 3 steps is inside epoch 2 and the resume loads the stream's position.
+    pytest.importorskip("datasets")
+    # datasets' streaming imports scipy.io, whose threadpoolctl sets this at import
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
+    example = _example()
+
+    def run(*extra: object) -> Any:
+        argv = [*TINY, "--mixed-precision", "no", "--save-every", "2"]
+        argv += ["--streaming", "--pack", "--seq-len", "64"]
+        args = example.parse_args([*map(str, argv), *map(str, extra)])
+        return example.train(DistributedContext(), args)
+
+    with _one_thread():
+        whole = run("--run-dir", tmp_path / "w", "--checkpoint-dir", tmp_path / "cw")
+        cut = ["--checkpoint-dir", tmp_path / "cut"]
+        stopped = run("--run-dir", tmp_path / "s", *cut, "--stop-after", 3)
+        resumed = run("--run-dir", tmp_path / "r", *cut, "--resume")
+    assert stopped is None and isinstance(whole, str) and resumed == whole
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^resumed from \S+ at LoaderState\(epoch=1, .*stream_state=", out, re.M
+    )
+    # Every token after a sentence's first is predicted once per epoch, and the
+    # windows' num_items (count_targets of the packed labels) count exactly those.
+    records = (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in records if '"loss"' in line]
+    texts = example.sentences(48 + 64, seed=0)[:48]
+    assert sum(r["tokens"] for r in logged) == 2 * sum(len(t) + 1 for t in texts)
