@@ -134,8 +134,11 @@ if TYPE_CHECKING:
     from funcaccel.local_sgd import local_sgd_step as local_sgd_step
     from funcaccel.pipeline import pipeline_eval as pipeline_eval
     from funcaccel.pipeline import pipeline_step as pipeline_step
+    from funcaccel.planning import DryRunError as DryRunError
+    from funcaccel.planning import DryRunReport as DryRunReport
     from funcaccel.planning import MemoryEstimate as MemoryEstimate
     from funcaccel.planning import RankMemory as RankMemory
+    from funcaccel.planning import dry_run as dry_run
     from funcaccel.planning import estimate_memory as estimate_memory
     from funcaccel.plot import plot_metrics as plot_metrics
     from funcaccel.process import get_logger as get_logger

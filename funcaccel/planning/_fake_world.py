@@ -8,15 +8,21 @@ that lets plain CPU tensors compute for real: a ``DeviceMesh`` keeps its rank
 layout in small integer tensors and reads them back (``nonzero``, ``tolist``),
 which fake tensors cannot answer; every tensor born in the mode (parameters,
 activations, optimizer state) is still fake, with no storage.
+``recording_mode(calls)`` lists the collectives a dry run makes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import traceback
 from collections.abc import Callable
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
 from typing import Any
+from typing import Final
 
 import torch
 import torch.distributed as dist
@@ -26,7 +32,7 @@ from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 
-__all__ = ["fake_tensor_mode", "fake_world_ctx"]
+__all__ = ["fake_tensor_mode", "fake_world_ctx", "recording_mode"]
 
 
 @contextmanager
@@ -119,6 +125,8 @@ def fake_tensor_mode() -> Any:
             real = tensors and not any(
                 isinstance(t, FakeTensor) or t.is_meta for t in tensors
             )
+            if not tensors and _in_mesh_code():
+                real = True  # a DeviceMesh's rank layout
             if real and func not in lifts:
                 # Only real tensors in: the mesh's bookkeeping, computed for real.
                 with unset_fake_temporarily():
@@ -126,3 +134,69 @@ def fake_tensor_mode() -> Any:
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return _MeshSafeFakeMode(allow_non_fake_inputs=True)
+
+
+def recording_mode(calls: list[tuple[str, str]]) -> Any:
+    """A dispatch mode that appends each collective to ``calls`` as ``(name, where)``.
+
+    ``where`` is the innermost caller outside torch and funcaccel. On the fake
+    group an all-gather leaves its outputs as they were; here they get this
+    rank's input, as if every peer had sent the same (so that an object
+    collective unpickles what this rank sent).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.namespace in _COLLECTIVES:
+                name = func.__name__.split(".")[0]
+                calls.append((name, _caller()))
+                if name.startswith("allgather"):
+                    _echo(args)
+            return out
+
+    return _Recorder()  # type: ignore[no-untyped-call]
+
+
+_COLLECTIVES: Final = frozenset({"c10d", "_c10d_functional"})
+_OWN: Final = (
+    str(Path(torch.__file__).parent),
+    str(Path(__file__).parent.parent),
+    str(Path(contextlib.__file__).parent),
+)
+
+
+_MESH_FILES: Final = ("device_mesh.py", "_mesh_layout.py", "distributed_c10d.py")
+
+
+def _in_mesh_code() -> bool:
+    """Whether a ``DeviceMesh`` or process-group function is building this tensor."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_MESH_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _caller() -> str:
+    """``file:line in function`` of the innermost frame outside torch and funcaccel."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_OWN):
+            return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+    return "an unknown caller"
+
+
+def _echo(args: Any) -> None:
+    """Fill an all-gather's outputs with this rank's input (fake peers send the same)."""
+    outputs, inputs = args[0], args[1]
+    if isinstance(outputs, list) and isinstance(inputs, list):
+        for per_input, source in zip(outputs, inputs, strict=False):
+            for out in per_input if isinstance(per_input, list) else [per_input]:
+                if out.shape == source.shape:
+                    out.copy_(source)
