@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from pathlib import Path
@@ -295,6 +296,24 @@ def test_a_stream_state_needs_the_num_workers_that_saved_it(tmp_path: Path) -> N
     assert list(iter_batches(loader))[0].stream_state is None
     plain = LoaderState(epoch=0, global_batches=3, global_batch_size=BATCH)
     assert _ids(list(iter_batches(loader, plain))) == _ids(zero[3:])
+
+
+def test_a_torchdata_stateful_dataloader_is_read_like_a_dataloader() -> None:
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+    make: Make = lambda on_read: Numbers(SAMPLES, on_read)  # noqa: E731
+    for p in (1, 2):
+        reads: list[int] = []
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            data = torchdata.StatefulDataLoader(make(reads.append), batch_size=BATCH)
+        loader = shard_loader(rank_ctx(p, 0), data, dispatch_batches=False)
+        unbroken = list(iter_batches(loader))
+        assert _ids(unbroken) == _ids(list(iter_batches(_loader(make, p, 0))))
+        reads.clear()
+        resumed = list(iter_batches(loader, unbroken[2].state))
+        assert _ids(resumed) == _ids(unbroken[3:])
+        start = 3 * BATCH * p  # nothing before the resume point, then the rest
+        assert reads[: SAMPLES - start] == list(range(start, SAMPLES))
 
 
 def test_loader_state_carries_a_stream_state_through_json() -> None:
