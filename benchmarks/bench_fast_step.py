@@ -150,18 +150,27 @@ def _funcaccel_window(
 
 
 def _time_windows(
-    run: Callable[[], float], windows: int
-) -> tuple[float, list[float], float]:
-    """(first window's seconds, later windows' seconds, last loss)."""
-    start = time.perf_counter()
-    loss = run()
-    first = time.perf_counter() - start
-    times = []
+    runs: dict[str, Callable[[], float]], windows: int
+) -> dict[str, tuple[float, list[float], float]]:
+    """Time the ``runs`` round-robin: name -> (first window s, later windows s, loss).
+
+    Each round runs one window of every variant in turn, so a change in the
+    machine's load reaches them all alike; the clock is this process's CPU time
+    (``time.process_time``: every thread of the process, none of the others').
+    """
+    first: dict[str, float] = {}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    loss: dict[str, float] = {}
+    for name, run in runs.items():
+        start = time.process_time()
+        loss[name] = run()
+        first[name] = time.process_time() - start
     for _ in range(windows):
-        start = time.perf_counter()
-        loss = run()
-        times.append(time.perf_counter() - start)
-    return first, times, loss
+        for name, run in runs.items():
+            start = time.process_time()
+            loss[name] = run()
+            times[name].append(time.process_time() - start)
+    return {name: (first[name], times[name], loss[name]) for name in runs}
 
 
 def _one_process(args: argparse.Namespace) -> list[str]:
@@ -169,7 +178,8 @@ def _one_process(args: argparse.Namespace) -> list[str]:
     data = _data(args)
     torch.manual_seed(0)
     base = Net(args)
-    rows: dict[str, tuple[float, list[float], float]] = {}
+    runs: dict[str, Callable[[], float]] = {}
+    compiled: nn.Module = base
     for name in (
         "plain PyTorch eager",
         "plain PyTorch eager again (noise control)",
@@ -179,21 +189,23 @@ def _one_process(args: argparse.Namespace) -> list[str]:
         model: nn.Module = copy.deepcopy(base)
         if "compiled" in name:
             model = wrap_model(ctx, model, compile=CompileOptions(blocks=[Block]))
+            compiled = model
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         if name.startswith("plain"):
-            run = functools.partial(_plain_window, model, opt, data, args.k)
+            runs[name] = functools.partial(_plain_window, model, opt, data, args.k)
         else:
-            run = functools.partial(_funcaccel_window, ctx, model, opt, data, args.k)
-        rows[name] = _time_windows(run, args.repeats)
-        if "compiled" in name:
-            report = compile_report(model)
+            runs[name] = functools.partial(
+                _funcaccel_window, ctx, model, opt, data, args.k
+            )
+    rows = _time_windows(runs, args.repeats)
+    report = compile_report(compiled)
     ref = statistics.median(rows["plain PyTorch eager"][1])
     lines = [
         f"One process, {args.blocks} blocks of width {args.dim}, {args.batch} x "
         f"{args.seq} tokens, windows of {args.k}, {args.repeats} timed windows",
         "",
-        "| variant | median ms / window | min ms / window | median / plain eager "
-        "| first window s | loss |",
+        "| variant | median CPU ms / window | min CPU ms / window | median / plain eager "
+        "| first window CPU s | loss |",
         "|---|---|---|---|---|---|",
     ]
     for name, (first, times, loss) in rows.items():
@@ -241,22 +253,25 @@ def _activation_memory(args: argparse.Namespace) -> list[str]:
         "of activations and of everything, one micro-step's forward and backward)",
         "",
         "| checkpointing | peak activations MiB | activations / none | peak total MiB "
-        "| median ms / window | time / none |",
+        "| median CPU ms / window | time / none |",
         "|---|---|---|---|---|---|",
     ]
-    ref_bytes = ref_time = 0.0
+    memory: dict[str, tuple[int, int]] = {}
+    runs: dict[str, Callable[[], float]] = {}
     for name, options in variants.items():
         model = copy.deepcopy(base)
         if options is not None:
             apply_activation_checkpointing(model, options)
-        saved, total = _peak_memory(model, data[0])
+        memory[name] = _peak_memory(model, data[0])
         model.zero_grad(set_to_none=True)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        run = functools.partial(_funcaccel_window, ctx, model, opt, data, args.k)
-        _, times, _ = _time_windows(run, args.repeats)
-        med = statistics.median(times)
-        if options is None:
-            ref_bytes, ref_time = saved, med
+        runs[name] = functools.partial(_funcaccel_window, ctx, model, opt, data, args.k)
+    timed = _time_windows(runs, args.repeats)
+    ref_bytes = memory["no checkpointing"][0]
+    ref_time = statistics.median(timed["no checkpointing"][1])
+    for name in variants:
+        saved, total = memory[name]
+        med = statistics.median(timed[name][1])
         lines.append(
             f"| {name} | {saved / MiB:.3f} | {saved / ref_bytes:.3f}× "
             f"| {total / MiB:.3f} | {med * 1e3:.3f} | {med / ref_time:.3f}× |"
@@ -276,7 +291,7 @@ def _fsdp_rank(
     model = wrap_model(ctx, net, fsdp=fsdp, optimizers=opt, compile=options)
     data = _data(args, ctx.process_index)
     run = functools.partial(_funcaccel_window, ctx, model, opt, data, args.k)
-    first, times, loss = _time_windows(run, args.repeats)
+    first, times, loss = _time_windows({"": run}, args.repeats)[""]
     return {"first": first, "times": times, "loss": loss}
 
 
@@ -284,7 +299,7 @@ def _fsdp_two(args: argparse.Namespace) -> list[str]:
     lines = [
         "FSDP2 on 2 gloo processes (one torch thread each), blocks as units",
         "",
-        "| variant | median ms / window (max rank) | median / eager | first window s |",
+        "| variant | median CPU ms / window (max rank) | median / eager | first window CPU s |",
         "|---|---|---|---|",
     ]
     ref = 0.0
@@ -368,7 +383,7 @@ def _policy_rank(
         args.k,
         lambda: held.append(_held_grad_bytes(model)),
     )
-    first, times, loss = _time_windows(run, args.repeats)
+    _, times, loss = _time_windows({"": run}, args.repeats)[""]
     with _CommBytes() as counter:
         run()
     return {"times": times, "bytes": counter.bytes, "held": max(held), "loss": loss}
@@ -380,7 +395,7 @@ def _policies(args: argparse.Namespace) -> list[str]:
         f"{args.k} (bytes per rank and window)",
         "",
         "| accumulation_comm | all-gather MiB | reductions MiB | held grads MiB | "
-        "median ms / window (max rank) | time / defer_all | loss |",
+        "median CPU ms / window (max rank) | time / defer_all | loss |",
         "|---|---|---|---|---|---|---|",
     ]
     ref = 0.0
