@@ -38,6 +38,7 @@ PAGES: Final = (
     "accumulate.md",
     "model.md",
     "mesh.md",
+    "pipeline.md",
     "profiler.md",
     "tracking.md",
     "checkpoint.md",

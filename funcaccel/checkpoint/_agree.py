@@ -29,6 +29,7 @@ from funcaccel.checkpoint._members import fail_checkpoint
 from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.loader import LoaderState
+from funcaccel.model import Pipeline
 from funcaccel.model import unwrap_model
 
 T = TypeVar("T")
@@ -50,6 +51,12 @@ _MSG_WHOLE: Final = (
     "{caller}: {root} holds whole (unsharded) state dicts, but models[{index}] is "
     "sharded by FSDP2; load it into the unsharded model, or resume from a checkpoint "
     "saved with FSDP2."
+)
+_MSG_STAGES: Final = (
+    "{caller}: {root} holds whole (unsharded) state dicts, but models[{index}] is "
+    "a Pipeline holding some stages; load it into the whole model (one process, "
+    "DDP or FSDP2), save it again with FSDP2 (sharded), and resume the pipeline "
+    "from that."
 )
 
 
@@ -131,6 +138,10 @@ def _check_counts(
             if is_fsdp_module(unwrap_model(model)):
                 raise ValueError(
                     _MSG_WHOLE.format(caller=caller, root=root, index=index)
+                )
+            if isinstance(unwrap_model(model), Pipeline):
+                raise ValueError(
+                    _MSG_STAGES.format(caller=caller, root=root, index=index)
                 )
 
 

@@ -46,6 +46,7 @@ from funcaccel.checkpoint._export_plan import shard_names
 from funcaccel.checkpoint._export_plan import tied_names
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
+from funcaccel.model import Pipeline
 from funcaccel.model import unwrap_model
 
 __all__ = ["load_model", "save_model"]
@@ -130,6 +131,14 @@ def save_model(
     """
     caller = "save_model"
     root = _check_call(ctx, model, directory, caller)
+    if isinstance(unwrap_model(model), Pipeline):
+        msg = (
+            f"{caller}: model is a Pipeline, whose ranks hold one stage each; got "
+            f"stages {unwrap_model(model).stage_indices} on rank {ctx.process_index}. "
+            "Save a checkpoint (save_checkpoint), load it into the whole model with "
+            "pp=1 (FSDP2 or one process) and export that with save_model."
+        )
+        raise ValueError(msg)
     if is_deepspeed_engine(model):
         with gathered_ctx(model):  # ZeRO-3: every rank holds the full weights
             return save_model(

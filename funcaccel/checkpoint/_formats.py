@@ -55,6 +55,10 @@ from funcaccel._typing import Stateful
 from funcaccel.checkpoint import _layout
 from funcaccel.checkpoint._dcp_checks import check_dcp_metadata
 from funcaccel.checkpoint._dcp_checks import check_dcp_value
+from funcaccel.checkpoint._dcp_names import load_model_state
+from funcaccel.checkpoint._dcp_names import load_optimizer_state
+from funcaccel.checkpoint._dcp_names import model_state
+from funcaccel.checkpoint._dcp_names import optimizer_state
 from funcaccel.checkpoint._deepspeed_state import ENGINE_DIR
 from funcaccel.checkpoint._deepspeed_state import check_engine_objects
 from funcaccel.checkpoint._deepspeed_state import load_engine
@@ -62,6 +66,7 @@ from funcaccel.checkpoint._manifest import FileEntry
 from funcaccel.checkpoint._members import DAMAGED
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
+from funcaccel.model import Pipeline
 from funcaccel.model import unwrap_model
 from funcaccel.rng import capture_rng_state
 
@@ -205,6 +210,8 @@ def choose_format(models: Sequence[nn.Module]) -> StateFormat:
     """
     if any(is_deepspeed_engine(m) for m in models):
         return "deepspeed"
+    if any(isinstance(unwrap_model(m), Pipeline) for m in models):
+        return "dcp"  # each rank holds only its stages
     sharded = any(
         is_fsdp_module(inner) or any(is_dtensor(p) for p in inner.parameters())
         for inner in map(unwrap_model, models)
@@ -257,17 +264,14 @@ def _dcp_state(
 ) -> tuple[dict[str, Any], tuple[int, ...]]:
     """Return the state DCP saves or loads in place, and each optimizer's model."""
     # torch.distributed.checkpoint takes seconds to import: only sharded models
-    # need it, so it is imported here rather than with funcaccel.
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
+    # need it, so it is imported (in _dcp_names) when called.
     models, optimizers = objs.models, objs.optimizers
     pairs = pair_optimizers(models, optimizers, caller=caller)
     state: dict[str, Any] = {}
     for index, model in enumerate(models):
-        state[f"model_{index}"] = get_model_state_dict(model)
+        state[f"model_{index}"] = model_state(model)
     for index, (optimizer, owner) in enumerate(zip(optimizers, pairs, strict=True)):
-        state[f"optimizer_{index}"] = get_optimizer_state_dict(models[owner], optimizer)
+        state[f"optimizer_{index}"] = optimizer_state(models[owner], optimizer)
     return state, pairs
 
 
@@ -348,8 +352,6 @@ def load_sharded(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     class WeightsOnlyPlanner(DefaultLoadPlanner):
@@ -382,11 +384,11 @@ def load_sharded(
         raise ValueError(msg) from error
     models = objs.models
     for index, model in enumerate(models):
-        set_model_state_dict(model, state[f"model_{index}"])
+        load_model_state(model, state[f"model_{index}"])
     for index, (optimizer, owner) in enumerate(
         zip(objs.optimizers, pairs, strict=True)
     ):
-        set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{index}"])
+        load_optimizer_state(models[owner], optimizer, state[f"optimizer_{index}"])
 
 
 def state_files(
