@@ -184,11 +184,12 @@ def _one_process(args: argparse.Namespace) -> list[str]:
         "plain PyTorch eager",
         "plain PyTorch eager again (noise control)",
         "funcaccel eager",
-        "funcaccel compiled blocks (inductor)",
+        f"funcaccel compiled blocks ({args.backend})",
     ):
         model: nn.Module = copy.deepcopy(base)
         if "compiled" in name:
-            model = wrap_model(ctx, model, compile=CompileOptions(blocks=[Block]))
+            options = CompileOptions(blocks=[Block], backend=args.backend)
+            model = wrap_model(ctx, model, compile=options)
             compiled = model
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         if name.startswith("plain"):
@@ -286,7 +287,7 @@ def _fsdp_rank(
     torch.manual_seed(0)
     net = Net(args)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    options = CompileOptions(blocks=[Block]) if compiled else None
+    options = CompileOptions(blocks=[Block], backend=args.backend) if compiled else None
     fsdp = FSDPOptions(shard_modules=[Block])
     model = wrap_model(ctx, net, fsdp=fsdp, optimizers=opt, compile=options)
     data = _data(args, ctx.process_index)
@@ -311,7 +312,7 @@ def _fsdp_two(args: argparse.Namespace) -> list[str]:
         med = statistics.median(per_window)
         ref = ref or med
         first = max(r["first"] for r in ranks)
-        name = "compiled blocks (inductor)" if compiled else "eager"
+        name = f"compiled blocks ({args.backend})" if compiled else "eager"
         lines.append(f"| {name} | {med * 1e3:.3f} | {med / ref:.3f}× | {first:.3f} |")
     return lines
 
@@ -433,6 +434,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend of the blocks"
+    )
     parser.add_argument(
         "--tables", default="1234", help="which tables to run (digits 1-4)"
     )

@@ -241,3 +241,37 @@ def test_bench_mesh_memory_runs_and_the_meta_model_starts_equal() -> None:
     # One step: the loss is the initial model's, so meta init gave the same values.
     assert losses["fsdp_meta"] == losses["plain PyTorch DDP"], out
     assert "2 processes" in out
+
+
+FAST_STEP_ROWS = [
+    "plain PyTorch eager",
+    "plain PyTorch eager again (noise control)",
+    "funcaccel eager",
+    "funcaccel compiled blocks (aot_eager)",
+    "no checkpointing",
+    "full, every block",
+    "full, every 2nd block",
+    "selective (matrix products kept)",
+]
+
+
+@pytest.mark.slow
+def test_bench_fast_step_runs_and_compiled_equals_eager() -> None:
+    # The one-process tables, compiled by aot_eager (the distributed tables
+    # spawn 6 runs and inductor compiles for seconds: too slow here).
+    out = _run(
+        "bench_fast_step", "--dim", 16, "--heads", 2, "--blocks", 2, "--seq", 4,
+        "--batch", 2, "--k", 2, "--repeats", 1, "--tables", "12",
+        "--backend", "aot_eager",
+    )  # fmt: skip
+    rows = _numeric_rows(out)
+    assert [name for name, _ in rows] == FAST_STEP_ROWS, out
+    steps = dict(rows[:4])
+    assert all(len(cells) == 5 for cells in steps.values())
+    assert steps["plain PyTorch eager"][2] == "1.000×"
+    # The same final loss (6 decimals) for every variant, the compiled one too.
+    assert len({cells[-1] for cells in steps.values()}) == 1, out
+    memory = dict(rows[4:])
+    assert all(len(cells) == 5 for cells in memory.values())
+    assert memory["no checkpointing"][1] == "1.000×"
+    assert "0 graph breaks" in out
