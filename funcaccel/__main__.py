@@ -4,16 +4,20 @@
 (``env_report``) for the current process's environment, with the mesh
 ``dp_replicate=R, dp_shard=S, tp=T`` described for this rank when given. ``python -m funcaccel plot RUN_DIR [--out FILE]``
 writes a PNG of the metrics a ``JSONLTracker`` / ``CSVTracker`` logged in
-``RUN_DIR`` (``plot_metrics``) and prints its path.
+``RUN_DIR`` (``plot_metrics``) and prints its path. ``python -m funcaccel estimate
+MODULE:NAME --world-size N [--dp-replicate R --dp-shard S --tp T --fsdp ...]
+[--json]`` prints ``estimate_memory``'s table (or JSON) for that model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from funcaccel.envreport import env_report
 from funcaccel.plot import plot_metrics
@@ -30,6 +34,78 @@ def _mesh_sizes(text: str) -> tuple[int, int, int]:
         )
         raise argparse.ArgumentTypeError(msg) from None
     return (r, s, t)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        msg = f"expected integers separated by commas, e.g. 32,1024; got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def _add_estimate(commands: Any) -> None:
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate each rank's memory for a training step at a world size",
+        description="Run estimate_memory for a model given as an import path "
+        "MODULE:NAME (a function or class returning an nn.Module or a "
+        "transformers config), on fake tensors in this process.",
+    )
+    estimate.add_argument("model", metavar="MODULE:NAME")
+    estimate.add_argument("--world-size", type=int, required=True)
+    estimate.add_argument("--dp-replicate", type=int, default=1)
+    estimate.add_argument(
+        "--dp-shard", type=int, default=None, help="default: the rest with --fsdp"
+    )
+    estimate.add_argument("--tp", type=int, default=1)
+    estimate.add_argument("--fsdp", action="store_true", help="shard with FSDP2")
+    estimate.add_argument(
+        "--tp-plan", default=None, metavar="MODULE:NAME", help="with --tp > 1"
+    )
+    estimate.add_argument("--batch-size", type=int, default=1, help="per rank")
+    estimate.add_argument("--seq-len", type=int, default=2048)
+    estimate.add_argument(
+        "--input-shape", type=_ints, default=None, metavar="N,D,...",
+        help="one micro-batch's shape, for a model that is not from transformers",
+    )  # fmt: skip
+    estimate.add_argument("--accumulation-steps", type=int, default=1)
+    estimate.add_argument(
+        "--optimizer", default="adamw", choices=("adamw", "adam", "sgd")
+    )
+    estimate.add_argument(
+        "--mixed-precision", default="no", choices=("no", "bf16", "fp16")
+    )
+    estimate.add_argument("--margin", type=float, default=0.1)
+    estimate.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from funcaccel.planning import estimate_from_path
+
+    try:
+        result = estimate_from_path(
+            args.model,
+            world_size=args.world_size,
+            dp_replicate=args.dp_replicate,
+            dp_shard=args.dp_shard,
+            tp=args.tp,
+            fsdp=args.fsdp,
+            tp_plan=args.tp_plan,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            input_shape=args.input_shape,
+            accumulation_steps=args.accumulation_steps,
+            optimizer=args.optimizer,
+            mixed_precision=args.mixed_precision,
+            margin=args.margin,
+        )
+    except (ImportError, AttributeError, TypeError, ValueError) as error:
+        prefix, text = "python -m funcaccel estimate", str(error)
+        print(text if text.startswith(prefix) else f"{prefix}: {text}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="the PNG to write (default: RUN_DIR/metrics.png)",
     )
+    _add_estimate(commands)
     args = parser.parse_args(argv)
     if args.command == "env":
         # The entry point is where the process's environment is read, once.
@@ -85,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"python -m funcaccel plot: {error}", file=sys.stderr)
             return 1
         print(written)
+    elif args.command == "estimate":
+        return _estimate(args)
     return 0
 
 

@@ -15,6 +15,7 @@ from funcaccel.planning._dry_run import dry_run
 from funcaccel.planning._estimate import NOT_COUNTED
 from funcaccel.planning._estimate import MemoryEstimate
 from funcaccel.planning._estimate import RankMemory
+from funcaccel.planning._from_path import estimate_from_path
 from funcaccel.planning._memory import estimate_memory
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "MemoryEstimate",
     "RankMemory",
     "dry_run",
+    "estimate_from_path",
     "estimate_memory",
 ]

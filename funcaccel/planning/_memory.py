@@ -12,7 +12,8 @@ model gets storage: a 7B-parameter model at 1,024 ranks needs a few hundred MiB.
 DDP cannot hold fake parameters (its reducer allocates in C++), so a DDP plan
 runs the step on the unwrapped model, which is what each DDP rank holds, and
 adds DDP's gradient buckets (one flat copy of the gradients, none with
-``gradient_as_bucket_view=True``) as a communication buffer held all along.
+``gradient_as_bucket_view=True``), held all along, and a temporary of the
+gradients' size that a real DDP step on gloo was measured to hold at its peak.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ _PARTS: Final = {
     "Other": "other",
 }
 _DDP_BUCKETS: Final = "DDP gradient buckets"
+_DDP_COPY: Final = "DDP gradient temporaries"
 
 
 def plan_strategy(
@@ -241,7 +243,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimate each rank's memory for a training step at ``world_size``, in this process.
 
-    The model is built by ``model_fn()`` on the ``meta`` device, wrapped with
+    The model is built by ``model_fn()`` on the ``meta`` device (under fake
+    tensors for DDP, which wraps the whole model), wrapped with
     ``wrap_model(ctx, model, ddp_kwargs, fsdp=fsdp, mesh=build_mesh(ctx, ...),
     tp_plan=tp_plan, **wrap_options)`` for the rank's context in a fake group of
     ``world_size`` (so the plan shards exactly what the run shards), given
@@ -356,14 +359,15 @@ def _estimate_rank(
         strategy = plan_strategy(world_size, *shape, fsdp)
         mode = fake_tensor_mode()
         with mode:
-            with torch.device("meta"):
+            # DDP's whole model is built fake (Module.to_empty cannot swap a
+            # meta parameter for a fake one); wrap_model materialises the rest.
+            with torch.device(ctx.device if strategy == "ddp" else "meta"):
                 model = model_fn()
             if not isinstance(model, nn.Module):
                 fail_type(_CALLER, "model_fn()", model, "an nn.Module")
             step_ctx = ctx
             if strategy == "ddp":
                 # Each DDP rank holds the whole model; its step is one process's.
-                model.to_empty(device=ctx.device)
                 step_ctx = DistributedContext(mixed_precision=mixed_precision)
                 wrapped = model
             else:
@@ -383,23 +387,26 @@ def _estimate_rank(
             compute_loss = loss_fn or output_loss
             with tracker:
                 grad = GradState(accumulation_steps=accumulation_steps)
-                for step in range(_STEPS):
-                    for _ in range(accumulation_steps):
-                        _, grad = accumulate_step(
-                            step_ctx,
-                            grad,
-                            wrapped,
-                            optimizer,
-                            lambda: compute_loss(_call(wrapped, fake)),
-                        )
-                    if step == 0 and hasattr(tracker, "reset_mod_stats"):
-                        tracker.reset_mod_stats()  # FSDPMemTracker: one iteration's stats
+                for _ in range(_STEPS * accumulation_steps):
+                    _, grad = accumulate_step(
+                        step_ctx,
+                        grad,
+                        wrapped,
+                        optimizer,
+                        lambda: compute_loss(_call(wrapped, fake)),
+                    )
+                    # The trackers keep one forward's per-module stats (and
+                    # refuse a second); the peak survives the reset.
+                    tracker.reset_mod_stats()
             parts = _peak_parts(tracker)
             parameters, gradients, state = _held(wrapped, optimizer)
             uneven = _is_uneven(wrapped)
         if strategy == "ddp":
             kwargs = ddp_kwargs or DistributedDataParallelKwargs()
             parts[_DDP_BUCKETS] = 0 if kwargs.gradient_as_bucket_view else gradients
+            # Measured on gloo: a temporary of the gradients' full size at the
+            # peak, besides the buckets (whatever bucket_cap_mb).
+            parts[_DDP_COPY] = gradients
     memory = RankMemory(
         rank=rank,
         parameters=parameters,

@@ -1,0 +1,254 @@
+"""``estimate_memory`` against real gloo runs: held model state and the peak, per rank.
+
+For each layout (DDP, FSDP2, HSDP 2 x 2, FSDP2 x TP 2 x 2) and world size (2, 4)
+the script first estimates rank 0's memory with ``estimate_memory`` in this
+process (fake process group, fake tensors), then runs the same training step for
+real on that many gloo processes (``run_ranks``): the same model (an MLP of
+``--blocks`` blocks ``hidden -> 2*hidden -> hidden``, about 21M float32
+parameters at the defaults), the same ``wrap_model`` call, AdamW, two optimizer
+steps of ``--accumulation`` micro-batches through ``accumulate_step``. Each rank
+reports
+
+* **held**: the bytes of its parameters, gradients and AdamW state, counted
+  tensor by tensor (a ``DTensor`` by its local shard) after the last step;
+* **peak (tracker)**: the peak torch's memory tracker saw on the real run
+  (``FSDPMemTracker`` for an FSDP2 model, ``MemTracker`` otherwise): the live
+  tensors' storage, the measure the estimate predicts. DDP's gradient buckets
+  are allocated inside DDP's C++ reducer at construction, where no tracker sees
+  them; the script adds their size (one flat copy of the gradients) from the
+  reducer's own bucket list, so that both sides count them.
+
+The noise-control row repeats the first real run: its difference from the first
+is the run-to-run spread of the measurement. ``--png FILE`` draws the bar chart
+of estimated against measured peaks.
+
+    PYTHONPATH=. python benchmarks/bench_memory_estimate.py --png docs/planning_memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import nn
+
+from funcaccel import DistributedContext
+from funcaccel import FSDPOptions
+from funcaccel import GradState
+from funcaccel import accumulate_step
+from funcaccel import build_mesh
+from funcaccel import wrap_model
+from funcaccel.flops import output_loss
+from funcaccel.planning import estimate_memory
+from funcaccel.testing import run_ranks
+
+MiB = 2**20
+LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+NOISE = "fsdp again (noise control)"
+
+
+def _net(args: argparse.Namespace) -> nn.Sequential:
+    h = args.hidden
+    return nn.Sequential(
+        *(
+            nn.Sequential(nn.Linear(h, 2 * h), nn.ReLU(), nn.Linear(2 * h, h))
+            for _ in range(args.blocks)
+        )
+    )
+
+
+def _plan(blocks: int) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for b in range(blocks):
+        plan[f"{b}.0"] = ColwiseParallel()
+        plan[f"{b}.2"] = RowwiseParallel()
+    return plan
+
+
+def _options(layout: str, world: int, blocks: int) -> dict[str, Any]:
+    """The sizes and wrap_model options of a layout at ``world`` ranks."""
+    fsdp = FSDPOptions(shard_modules=(nn.Sequential,))
+    if layout == "ddp":
+        return {}
+    if layout == "fsdp":
+        return {"fsdp": fsdp}
+    if layout == "hsdp":
+        return {"fsdp": fsdp, "dp_replicate": 2}
+    return {"fsdp": fsdp, "tp": 2, "tp_plan": _plan(blocks)}
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return int(local.numel() * local.element_size())
+
+
+def _ddp_buckets(model: nn.Module) -> int:
+    reducer = getattr(model, "reducer", None)
+    if reducer is None:
+        return 0
+    return sum(_local_bytes(b.buffer()) for b in reducer._get_zeros_like_grad_buckets())
+
+
+def _reset(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        module.reset_parameters()
+
+
+def _real(
+    ctx: DistributedContext, layout: str, args: argparse.Namespace
+) -> dict[str, int]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    options = _options(layout, ctx.num_processes, args.blocks)
+    mesh = None
+    if "tp" in options or "dp_replicate" in options or "fsdp" in options:
+        mesh = build_mesh(
+            ctx,
+            dp_replicate=options.get("dp_replicate", 1),
+            dp_shard=-1,
+            tp=options.get("tp", 1),
+        )
+    with torch.device("meta"):
+        net = _net(args)
+    model = wrap_model(
+        ctx,
+        net,
+        fsdp=options.get("fsdp"),
+        mesh=mesh,
+        tp_plan=options.get("tp_plan"),
+        init_fn=_reset,
+    )
+    opt = _adamw(list(model.parameters()))
+    x = torch.randn(args.batch_size, args.hidden)
+    if layout == "ddp":
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker: Any = MemTracker()
+        tracker.track_external(model, opt)
+    else:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs((x,))
+    grad = GradState(accumulation_steps=args.accumulation)
+    with tracker:
+        for _ in range(2 * args.accumulation):
+            _, grad = accumulate_step(
+                ctx, grad, model, opt, lambda: output_loss(model(x))
+            )
+            tracker.reset_mod_stats()  # one forward's module stats; the peak stays
+    peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    params = list(model.parameters())
+    held = sum(_local_bytes(p) for p in params)
+    held += sum(_local_bytes(p) for p in params if p.requires_grad)  # one gradient each
+    held += sum(
+        _local_bytes(v)
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return {"held": held, "peak": int(peak) + _ddp_buckets(model)}
+
+
+def _estimate(layout: str, world: int, args: argparse.Namespace) -> dict[str, int]:
+    options = _options(layout, world, args.blocks)
+    estimate = estimate_memory(
+        lambda: _net(args),
+        torch.zeros(args.batch_size, args.hidden),
+        optimizer_fn=_adamw,
+        world_size=world,
+        accumulation_steps=args.accumulation,
+        **options,
+    )
+    rank = estimate.ranks[0]
+    return {"held": rank.model_state, "peak": rank.peak}
+
+
+def _row(name: str, est: dict[str, int], real: dict[str, int]) -> str:
+    def gap(a: int, b: int) -> str:
+        return f"{100 * (a - b) / b:.2f}"
+
+    return (
+        f"| {name} | {est['held'] / MiB:.3f} | {real['held'] / MiB:.3f} | "
+        f"{gap(est['held'], real['held'])} | {est['peak'] / MiB:.3f} | "
+        f"{real['peak'] / MiB:.3f} | {gap(est['peak'], real['peak'])} |"
+    )
+
+
+def _png(path: str, labels: list[str], est: list[float], real: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3), dpi=80)
+    at = range(len(labels))
+    ax.bar([i - 0.2 for i in at], est, 0.4, label="estimate_memory")
+    ax.bar([i + 0.2 for i in at], real, 0.4, label="real gloo run (tracker)")
+    ax.set_xticks(list(at), labels, rotation=20, fontsize=8)
+    ax.set_ylabel("peak per rank (MiB)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--png", default=None, help="write the bar chart here")
+    args = parser.parse_args()
+    params = sum(p.numel() for p in _net(args).parameters())
+    print(
+        f"MLP of {args.blocks} blocks {args.hidden}->{2 * args.hidden}->{args.hidden}: "
+        f"{params / 1e6:.1f}M float32 parameters, AdamW, batch {args.batch_size}, "
+        f"accumulation {args.accumulation}; rank 0, MiB"
+    )
+    print()
+    print(
+        "| layout | held est. | held real | held diff % | peak est. | peak real | peak diff % |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    labels: list[str] = []
+    ests: list[float] = []
+    reals: list[float] = []
+    for world in args.worlds:
+        for layout in args.layouts:
+            if layout in ("hsdp", "fsdp_tp") and world != 4:
+                continue  # 2 x 2 meshes
+            est = _estimate(layout, world, args)
+            real = run_ranks(
+                _real, world, layout, args, timeout_s=600, start_method="forkserver"
+            )[0]
+            name = f"{layout}, {world} ranks"
+            print(_row(name, est, real), flush=True)
+            labels.append(name)
+            ests.append(est["peak"] / MiB)
+            reals.append(real["peak"] / MiB)
+            if layout == "fsdp" and world == args.worlds[0]:
+                again = run_ranks(
+                    _real, world, layout, args, timeout_s=600, start_method="forkserver"
+                )[0]
+                print(_row(f"{NOISE}, {world} ranks", est, again), flush=True)
+    if args.png is not None:
+        _png(args.png, labels, ests, reals)
+        print(f"\nbar chart: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
