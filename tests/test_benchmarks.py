@@ -130,8 +130,9 @@ def test_bench_stream_resume_runs() -> None:
     rows.append("load at 10 % again (noise control)")
     rows += [f"replay to {p} % (the cost it replaces)" for p in (10, 50, 90)]
     one = ["1.000×", "1.000 – 1.000"]  # the median paired ratio and its IQR
-    _check_rows(out, rows, 5, {"load the state at 10 %": one})
-    assert "## Resume a stream: 256 samples" in out
+    # Two tables: the datasets stream, then the same samples from memory.
+    _check_rows(out, rows + rows, 5, {"load the state at 10 %": one})
+    assert out.index("## Resume a stream: 256 samples") < out.index("from memory")
 
 
 def test_bench_import_runs() -> None:
@@ -293,3 +294,28 @@ def test_bench_memory_estimate_matches_real_gloo_runs() -> None:
         held_gap, peak_gap = float(cells[2]), float(cells[5])
         # The issue's bounds: held model state within 2 %, the peak within 15 %.
         assert abs(held_gap) <= 2 and abs(peak_gap) <= 15, (name, cells)
+
+
+PIPELINE_ROWS = [
+    "plain PyTorch (one process)",
+    "plain PyTorch again (noise control)",
+    "1f1b",
+    "zbv_zero_bubble",
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_pipeline_runs_and_starts_from_the_plain_models_loss() -> None:
+    out = _run(
+        "bench_pipeline", "--pps", 2, "--schedules", "1f1b,zbv_zero_bubble",
+        "--width", 16, "--layers", 4, "--batch", 8, "--microbatches", 4,
+        "--steps", 1, "--warmup", 1, "--timeout", 120,
+    )  # fmt: skip
+    _check_rows(out, PIPELINE_ROWS, 7, {})
+    cells = dict(_numeric_rows(out))
+    assert cells["plain PyTorch (one process)"][1] == "1.000×"
+    # The pipelines' first loss is the whole model's: the same initial values.
+    for schedule in ("1f1b", "zbv_zero_bubble"):
+        assert float(cells[schedule][-1]) < 1e-5, out
+    assert "pp=2 (2 processes)" in out
