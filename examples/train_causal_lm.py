@@ -16,7 +16,9 @@ What it shows: token-weighted gradient accumulation (``accumulate_step(...,
 num_items=n)`` with the model's summed loss, ``num_items_in_batch=1``), so every
 token of a window counts the same whatever the padding, the window size or the
 rank it landed on; bf16 autocast (``--mixed-precision no`` turns it off); FSDP2
-with the decoder block class as the sharded unit; asynchronous checkpoints every
+with the decoder block class as the sharded unit; ``--compile [BACKEND]`` and
+``--activation-checkpointing`` compile / checkpoint each decoder block in place
+before sharding (the compile report is printed after training); asynchronous checkpoints every
 ``--save-every`` optimizer steps, the handle threaded into the next save; resume
 with ``--resume``; throughput as a value (``measure_throughput`` at each optimizer
 step: the tokens every rank scored, padding excluded, samples, ``count_flops``
@@ -95,6 +97,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="read the training sentences as a datasets stream of JSON Lines files "
         "the script writes under the run directory (a resume loads its position)",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile each decoder block in place (default backend: inductor)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each decoder block's activations in backward",
     )
     parser.add_argument(
         "--pack",
@@ -271,6 +286,9 @@ def build_model(
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers,
+        # The key-value cache is written inside each decoder block: a compiled
+        # (fullgraph) or recomputed block must not carry it.
+        use_cache=not (args.compile or args.activation_checkpointing),
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
@@ -473,7 +491,19 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     flops_of = flops_counter(net)  # before sharding: count_flops wants it whole
     peak = _peak(args.peak_flops)
     fsdp = fa.FSDPOptions(shard_modules=(LlamaDecoderLayer,))
-    model = fa.wrap_model(ctx, net, fsdp=fsdp)
+    blocks = (LlamaDecoderLayer,)
+    model = fa.wrap_model(
+        ctx,
+        net,
+        fsdp=fsdp,
+        # Checkpointing, then in-place compilation, per block, before FSDP2.
+        compile=fa.CompileOptions(blocks=blocks, backend=args.compile)
+        if args.compile
+        else None,
+        activation_checkpointing=fa.ActivationCheckpointOptions(blocks=blocks)
+        if args.activation_checkpointing
+        else None,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     steps = args.epochs * -(-per_epoch // args.accumulation_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear decay, counted per rank
@@ -593,6 +623,13 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     fa.finish_trackers(ctx, trackers)
     fa.print_main(ctx, f"optimizer_steps: {grad.optimizer_steps}")
     fa.print_main(ctx, f"eval_loss: {eval_loss:.4f}")
+    if args.compile:  # what was compiled, and that no block broke in pieces
+        report = fa.compile_report(model)
+        fa.print_main(
+            ctx,
+            f"compile_report: {len(report.blocks)} blocks, {report.graphs} graphs, "
+            f"{report.recompiles} recompiles, {report.graph_breaks} graph breaks",
+        )
     fa.print_main(ctx, f"metrics written to {run_dir / 'metrics.jsonl'}")
     out = run_dir / "model"
     export(ctx, model, net.config, tok, out)
