@@ -287,10 +287,12 @@ def test_pp2_with_fsdp_and_with_tp_at_4_ranks_equals_the_reference() -> None:
         Run({"pp": 2, "dp_shard": 2}, one, True, True, FSDPOptions(), clip=0.5),
         Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, True, True, None, plan, 0.5),
         Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, tp_plan=plan),
+        # Replication inside each stage (fsdp=None, dp_replicate=2).
+        Run({"pp": 2, "dp_replicate": 2, "dp_shard": 1}, one, True, True),
     ]
     per_rank = run_ranks(_runs, 4, runs, timeout_s=TIMEOUT, start_method="forkserver")
     for i, run in enumerate(runs):
-        dp_size = run.sizes["dp_shard"]
+        dp_size = run.sizes["dp_shard"] * run.sizes.get("dp_replicate", 1)
         _check([per_rank[r][i] for r in range(4)], dp_size, run.tokens, run.clip)
 
 

@@ -15,8 +15,10 @@ from typing import Final
 import pytest
 import torch
 
+from funcaccel import FSDPOptions
 from funcaccel import GradState
 from funcaccel import PipelineOptions
+from funcaccel import accumulate_step
 from funcaccel import build_mesh
 from funcaccel import latest_checkpoint
 from funcaccel import load_checkpoint
@@ -108,6 +110,30 @@ def _pipelined(
     }
 
 
+def _fsdp(ctx: DistributedContext, resume_from: Path) -> dict[str, torch.Tensor]:
+    """Plain FSDP2 over the 2 ranks (pp=1), each reading half of every batch."""
+    torch.manual_seed(0)
+    model = wrap_model(ctx, Chain(), fsdp=FSDPOptions())
+    opt = _sgd(model.parameters())
+    loaded = load_checkpoint(ctx, resume_from, models=model, optimizers=opt)
+    assert loaded.grad is not None
+    grad, half = loaded.grad, PER_RANK // 2
+    rows = slice(ctx.process_index * half, (ctx.process_index + 1) * half)
+    for step in range(SAVE_AFTER, STEPS):
+        x, t = _batches()[step]
+
+        def loss_fn(
+            x: torch.Tensor = x[rows], t: torch.Tensor = t[rows]
+        ) -> torch.Tensor:
+            return _mean_loss(model(x), t)
+
+        _, grad = accumulate_step(ctx, grad, model, opt, loss_fn)
+    return {
+        name: value.full_tensor().detach().clone()
+        for name, value in model.state_dict().items()
+    }
+
+
 def _on_2_ranks(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["unbroken"] = _pipelined(ctx, CUTS["pp2_at_layers3"], tmp / "pp2", None)
@@ -115,6 +141,7 @@ def _on_2_ranks(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
     assert saved is not None
     for name, options in CUTS.items():
         out[f"pp2->{name}"] = _pipelined(ctx, options, None, saved)
+    out["pp2->fsdp pp=1"] = _fsdp(ctx, saved)
     one = latest_checkpoint(tmp / "one")
     assert one is not None
     with pytest.raises(ValueError, match=r"holds whole .* is a Pipeline"):
