@@ -32,6 +32,7 @@ from funcaccel.accumulate import accumulate_step
 from funcaccel.checkpoint import latest_checkpoint
 from funcaccel.checkpoint import load_checkpoint
 from funcaccel.checkpoint import save_checkpoint
+from funcaccel.collectives import broadcast_object
 from funcaccel.context import DistributedContext
 from funcaccel.loader import Batch
 from funcaccel.loader import LoaderState
@@ -352,6 +353,51 @@ def test_loader_state_carries_a_stream_state_through_json() -> None:
     copied = LoaderState(global_batches=1, stream_state=shared, stream_ranks=1)
     shared["at"].append(2)
     assert copied.stream_state == {"at": [1]}  # deep-copied
+
+
+class Plain(IterableDataset[dict[str, torch.Tensor]]):
+    """The samples of ``Numbers`` with no state: the reference of today's dispatch."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return ({"id": torch.tensor(i)} for i in range(SAMPLES))
+
+
+def _dispatched(ctx: DistributedContext) -> dict[str, Any]:
+    """Dispatch (the default for streams): every resume point of a stateful stream."""
+    torch.set_num_threads(1)
+
+    def loader(source: Any) -> Any:
+        return shard_loader(ctx, DataLoader(source, batch_size=BATCH))
+
+    unbroken = list(iter_batches(loader(Numbers(SAMPLES))))
+    out: dict[str, Any] = {
+        "dispatch": loader(Numbers(SAMPLES)).dispatch_batches,
+        "same": _ids(unbroken) == _ids(list(iter_batches(loader(Plain())))),
+        "resumes": [],
+    }
+    for k in range(1, len(unbroken)):
+        # A checkpoint holds rank 0's state (the only rank that reads).
+        state = broadcast_object(ctx, unbroken[k - 1].state)
+        reads: list[int] = []
+        resumed = list(iter_batches(loader(Numbers(SAMPLES, reads.append)), state))
+        out["resumes"].append(
+            (_ids(resumed) == _ids(unbroken[k:]), reads, state.stream_state)
+        )
+    return out
+
+
+@pytest.mark.distributed
+def test_a_dispatched_stream_resumes_reading_no_skipped_sample() -> None:
+    ranks = run_ranks(_dispatched, 2, timeout_s=240, start_method="forkserver")
+    size = BATCH * 2
+    for rank, result in enumerate(ranks):
+        assert result["dispatch"] and result["same"]  # today's dispatched batches
+        for k, (same, reads, stream_state) in enumerate(result["resumes"], 1):
+            assert same, (rank, k)
+            assert stream_state == {"source": {"at": k * size}}
+            # Rank 0 alone reads: the rest, then the first global batch to pad.
+            head = list(range(size)) if rank == 0 else []
+            assert reads == (list(range(k * size, SAMPLES)) if rank == 0 else []) + head
 
 
 # --- real gloo ranks: stopped, checkpointed, resumed = unbroken, bit for bit -----

@@ -354,10 +354,11 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
     hint = "Use LoaderState.from_dict for a saved dict."
     check_type("iter_batches", "state", state, LoaderState, hint=hint)
     skip, setup = _skip(loader, state), loader._setup
-    if setup.stateful and state.stream_state is not None and skip:
-        assert setup.inner is not None and setup.total_batch_size is not None
+    if setup.streams and state.stream_state is not None and skip:
+        # every rank checks (when dispatching, only rank 0 reads)
+        assert setup.total_batch_size is not None
         ranks, samples = loader.data_parallel_size, skip * setup.total_batch_size
         fix = _FIX_STREAM.format(state.stream_ranks, ranks, samples, state.epoch + 1)
-        workers, total = setup.inner.num_workers, setup.total_batch_size
+        workers, total = setup.dataloader.num_workers, setup.total_batch_size
         check_worker_state(state.stream_state, workers, total, state.epoch, fix)
     return records(setup, state.epoch, skip, state.stream_state)

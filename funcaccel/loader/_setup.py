@@ -110,6 +110,8 @@ class Setup:
     # an IndexSlot, loaded with each epoch's indices (read_batches)
     inner: DataLoader[Any] | None
     counted: bool  # the inner loader yields (batch, samples read) pairs
+    # every rank: the loader resumes a stateful stream from its state (docs/data.md)
+    streams: bool
     # the inner loader yields (batch, StreamTag) pairs from a StatefulStream
     stateful: bool
     sync_generator: torch.Generator | None
@@ -339,9 +341,12 @@ def _iterable_inner(
     bs, total = plan.batch_size, plan.total_batch_size
     if stream_resumes(dataset, plan.dispatch, plan.total_batch_size, kept):
         assert bs is not None and total is not None  # stream_resumes
+        if not plan.reads:
+            return None, False
         view = plan.view
-        layout = (bs, total, view.num_processes, view.process_index, split, drop_last)
-        return stateful_loader(dataset, layout, kept), False
+        p, rank = (1, 0) if plan.dispatch else (view.num_processes, view.process_index)
+        layout = (bs, total, p, rank, split, drop_last)
+        return stateful_loader(dataset, layout, kept, whole=plan.dispatch), False
     counted = not (
         plan.dispatch or drop_last or total is None or isinstance(dataset, Sized)
     )
@@ -437,6 +442,8 @@ def build_setup(
         inner=inner,
         counted=counted,
         stateful=isinstance(getattr(inner, "dataset", None), StatefulStream),
+        streams=base is None
+        and stream_resumes(dataset, plan.dispatch, plan.total_batch_size, kept),
         sync_generator=None if base is None else base.generator,
         reseed_generator=None if base is not None else _reseeded_generator(dataset),
         worker_generator=worker_generator,

@@ -239,15 +239,16 @@ def stream_resumes(
 ) -> bool:
     """Whether ``shard_loader`` reads ``dataset`` through a ``StatefulStream``.
 
-    A stateful dataset, batched (``total`` is the global batch size), read by
-    every rank (not dispatched), in this process or by workers that start afresh
-    each epoch (persistent ones keep the stream they were given first).
+    A stateful dataset, batched (``total`` is the global batch size), read in this
+    process (by every rank, or by rank 0 when dispatching) or, not dispatching,
+    by workers that start afresh each epoch.
     """
     return (
         is_stateful(dataset)
-        and not dispatch
         and total is not None
-        and not (kept["num_workers"] and kept["persistent_workers"])
+        # persistent workers keep the stream they were given at the first epoch;
+        # when dispatching, rank 0 reads in this process only
+        and not (kept["num_workers"] and (kept["persistent_workers"] or dispatch))
     )
 
 
@@ -255,23 +256,27 @@ def stateful_loader(
     dataset: Any,
     shard: tuple[int, int, int, int, bool, bool],
     kept: dict[str, Any],
+    *,
+    whole: bool = False,
 ) -> DataLoader[Any]:
     """Return the inner ``DataLoader`` over a ``StatefulStream`` of ``dataset``.
 
     ``shard`` is ``(bs, G, ranks, rank, split_batches, drop_last)``; ``kept`` the
-    settings the inner loader keeps (its ``collate_fn`` is wrapped).
+    settings the inner loader keeps (its ``collate_fn`` is wrapped). ``whole``:
+    rank 0 of a dispatching loader, which reads global batches of ``G`` whole, in
+    the original loader's batches of ``bs``.
     """
     bs, total, p, rank, split, drop_last = shard
-    c = total // p if split else bs
+    c = bs if whole else total // p if split else bs
     lo = rank * c if p > 1 else 0
     workers = kept["num_workers"] > 0
     stream = StatefulStream(
         dataset,
-        size=total if p > 1 else bs,
-        lo=lo,
-        hi=lo + c,
+        size=total if p > 1 or whole else bs,
+        lo=0 if whole else lo,
+        hi=total if whole else lo + c,
         pad=p > 1,
-        drop_last=drop_last,
+        drop_last=drop_last and not whole,
         mark_end=workers,
     )
     settings = dict(kept)

@@ -8,14 +8,21 @@ it hands a stateful stream to the functions here and every other loader to
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
+from collections.abc import Callable
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
+from funcaccel.loader._dispatch import dispatch_epoch
 from funcaccel.loader._placement import send_tree
 from funcaccel.loader._setup import Setup
 from funcaccel.loader._state import Batch
 from funcaccel.loader._state import make_batch
+from funcaccel.loader._stateful import Resume
 from funcaccel.loader._stateful import StatefulStream
+from funcaccel.loader._stateful import StreamTag
 from funcaccel.loader._stream import END
 from funcaccel.loader._stream import epoch_samples
 from funcaccel.loader._stream import open_epoch
@@ -36,6 +43,8 @@ def records(
     ``stream_state`` is a stateful stream's position after those batches
     (``LoaderState.stream_state``); other loaders ignore it.
     """
+    if setup.dispatch and setup.stateful:  # rank 0 reads the stream
+        return _dispatched_stream_records(setup, epoch, skip, stream_state)
     if setup.stateful and setup.inner is not None and setup.inner.num_workers:
         return _worker_records(setup, epoch, skip, stream_state)
     if setup.stateful:
@@ -107,3 +116,67 @@ def _worker_records(
     if device is not None:
         data = send_tree(data, device, setup.non_blocking)
     yield make_batch(data, index, True, fixed, epoch, total, None, ranks)
+
+
+def _dispatched_stream_records(
+    setup: Setup, epoch: int, skip: int, stream_state: Any
+) -> Iterator[Batch]:
+    """Rank 0 of a dispatching loader over a ``StatefulStream``: ``records`` with states.
+
+    The stream yields the original loader's batches, each with the stream's state;
+    the state after every ``group``-th one (a whole global batch) goes with that
+    global batch's record. Other ranks run ``plain_records``: the same collectives.
+    """
+    ctx, view, inner, total = setup.ctx, setup.view, setup.inner, setup.total_batch_size
+    assert inner is not None and total is not None
+    stream: Any = inner.dataset
+    assert isinstance(stream, StatefulStream)
+    start_epoch(setup, epoch, skip)
+    group = 1 if setup.split_batches else view.num_processes
+    jump = skip > 0 and stream_state is not None
+    stream.load_(Resume(skip * total, stream_state["source"]) if jump else None)
+    states: deque[Any] = deque()  # after each global batch read, in order
+
+    def untagged(pairs: Iterator[tuple[Any, StreamTag]]) -> Iterator[Any]:
+        for count, (data, tag) in enumerate(pairs, 1):
+            if count % group == 0:
+                states.append(tag.state)
+            yield data
+
+    base = untagged(iter(inner))
+    pad_source: Callable[[], list[Any]] | None = None
+    if jump:
+        pad_source = partial(_first_global_batch, setup, stream.dataset, group)
+    elif skip:  # no position saved: replay, keeping the first global batch to pad
+        head = list(itertools.islice(base, group))
+        skip_exactly(setup, itertools.chain(head, base), skip * group, epoch, group)
+        states.clear()
+        pad_source = head.copy
+    for offset, (data, is_last, rows) in enumerate(
+        dispatch_epoch(
+            ctx,
+            base_batches=base,
+            pad_source=pad_source,
+            group=group,
+            drop_last=setup.drop_last,
+            first_index=skip,
+            slice_fn=setup.slice_fn,
+            shares=view.num_processes,
+            share=view.process_index,
+        )
+    ):
+        data = send_tree(data, ctx.device, setup.non_blocking)
+        state = states.popleft() if states else None
+        position = None if state is None else {"source": state}
+        remainder = rows if is_last else -1
+        ranks = view.num_processes
+        index = skip + offset
+        yield make_batch(data, index, is_last, remainder, epoch, total, position, ranks)
+
+
+def _first_global_batch(setup: Setup, dataset: Any, group: int) -> list[Any]:
+    """The epoch's first ``group`` original batches, read again (to pad the last)."""
+    bs, collate = setup.batch_size, setup.dataloader.collate_fn
+    assert bs is not None
+    samples = list(itertools.islice(iter(dataset), bs * group))
+    return [collate(samples[i : i + bs]) for i in range(0, len(samples), bs)]
