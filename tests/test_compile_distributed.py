@@ -26,6 +26,7 @@ from funcaccel.mesh import build_mesh
 from funcaccel.model import ActivationCheckpointOptions
 from funcaccel.model import CompileOptions
 from funcaccel.model import FSDPOptions
+from funcaccel.model import apply_activation_checkpointing
 from funcaccel.model import compile_blocks
 from funcaccel.model import compile_report
 from funcaccel.model import unwrap_model
@@ -161,6 +162,11 @@ def _two_rank_worker(ctx: DistributedContext) -> dict[str, Any]:
         compile_blocks(sharded, CHEAP)
     except ValueError as err:
         out["refused_after"] = str(err)
+    ddp = wrap_model(ctx, TinyNet())
+    try:
+        apply_activation_checkpointing(ddp, ActivationCheckpointOptions())
+    except ValueError as err:
+        out["refused_ddp"] = str(err)
     inner: nn.Module = torch.compile(Block(8), backend="aot_eager")  # type: ignore[assignment]
     try:
         wrap_fsdp(ctx, nn.Sequential(inner), FSDPOptions())
@@ -215,3 +221,4 @@ def test_wrong_orders_by_hand_are_refused_on_two_ranks(
     for result in two_ranks:
         assert "already wrapped (FSDP2" in result["refused_after"]
         assert "is a torch.compile wrapper" in result["refused_wrapper"]
+        assert "already wrapped (DistributedDataParallel)" in result["refused_ddp"]
