@@ -94,7 +94,8 @@ def sync_ctx(
     When ``should_skip_grad_sync`` holds, it enters DDP's ``no_sync()`` for each
     ``DistributedDataParallel`` in ``models`` and switches FSDP2 modules to
     ``set_requires_gradient_sync(False)``, set back to ``True`` on exit (on error
-    too); other modules are untouched. Otherwise it does nothing. A DeepSpeed
+    too), or to what their ``FSDPOptions.accumulation_comm`` asks instead; other
+    modules are untouched. Otherwise it does nothing. A DeepSpeed
     engine is told instead whether the micro-step closes the window
     (``set_gradient_accumulation_boundary``), on every micro-step.
 

@@ -51,8 +51,10 @@ def no_sync(ctx: DistributedContext, model: nn.Module) -> AbstractContextManager
     """Return a context in which ``model``'s backward passes do not sync gradients.
 
     With several processes: DDP's ``model.no_sync()``; for an FSDP2 module,
+    what its ``FSDPOptions.accumulation_comm`` says: by default
     ``set_requires_gradient_sync(False)``, set back to ``True`` on exit (on error
-    too). Other modules have no gradient sync to skip and get a null context, as
+    too); ``"defer_replica_all_reduce"`` defers only HSDP's replica all-reduce,
+    ``"reduce_scatter_each_step"`` keeps syncing (docs/fast_step.md). Other modules have no gradient sync to skip and get a null context, as
     does everything with one process. Run the forward passes inside it (DDP
     decides at forward time); the first backward after leaving it syncs the
     accumulated gradients.
