@@ -363,3 +363,20 @@ def test_wrap_model_refuses_a_pipeline_without_a_pp_mesh() -> None:
         )
     with pytest.raises(TypeError, match=r"pipeline must be a PipelineOptions"):
         wrap_model(ctx, Chain(), mesh=build_mesh(ctx), pipeline="1f1b")  # type: ignore[arg-type]
+
+
+def test_pipeline_step_refuses_what_it_cannot_apply() -> None:
+    bf16 = DistributedContext(mixed_precision="bf16")
+    batch = (torch.zeros(4, 4, dtype=F64), torch.zeros(4, 3, dtype=F64))
+    opt = torch.optim.SGD(Chain().parameters())
+    with pytest.raises(
+        ValueError, match=r"pipeline_step: ctx.mixed_precision must be 'no'"
+    ):
+        pipeline_step(bf16, GradState(), None, opt, batch, _mean_loss)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"pipeline_eval: ctx.mixed_precision must be 'no'"
+    ):
+        pipeline_eval(bf16, None, batch)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pipeline_step: pipe must be a Pipeline"):
+        net: Any = Chain()  # not a Pipeline
+        pipeline_step(DistributedContext(), GradState(), net, opt, batch, _mean_loss)

@@ -70,6 +70,10 @@ def pipeline_eval(
         RuntimeError: no process group.
     """
     check_context(_CALLER, ctx)
+    if ctx.mixed_precision != "no":
+        what = "'no' (pipeline_eval does not apply autocast)"
+        fix = "Build the context with mixed_precision='no', or cast the model."
+        fail_value(_CALLER, "ctx.mixed_precision", ctx.mixed_precision, what, fix)
     what = "a Pipeline (from wrap_model(..., pipeline=PipelineOptions(...)))"
     check_type(_CALLER, "pipe", pipe, Pipeline, what=what)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:

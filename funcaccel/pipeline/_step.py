@@ -121,6 +121,11 @@ def pipeline_step(
         RuntimeError: no process group.
     """
     check_context(_CALLER, ctx)
+    if ctx.mixed_precision != "no":
+        # Not applied here yet: refused rather than silently run in full precision.
+        what = "'no' (pipeline_step does not apply autocast or a grad scaler)"
+        fix = "Build the context with mixed_precision='no', or cast the model."
+        fail_value(_CALLER, "ctx.mixed_precision", ctx.mixed_precision, what, fix)
     check_grad_state(_CALLER, grad)
     check_type(_CALLER, "pipe", pipe, Pipeline, what=_PIPE)
     opts = as_tuple_of(
