@@ -39,6 +39,15 @@ reads none of the sentences before it; ``--pack`` packs the sentences into rows 
 ``--seq-len`` tokens with ``pack_documents`` (labels never cross a sentence,
 ``num_items`` counts exactly the predicted tokens) instead of padding each batch
 (docs/data.md).
+
+``--pp 2`` (under torchrun, fp32: ``--mixed-precision no``) trains the model as a
+two-stage pipeline instead (docs/pipeline.md): the Llama is read as a chain of
+units (embeddings, one unit per decoder block, final norm and head; the input and
+output embeddings untied, as they sit on different stages), every batch padded to
+the corpus' longest sentence (a pipeline's shapes are fixed), and
+``pipeline_step(..., num_items=n)`` applies the token-weighted window gradient. It
+prints one line per epoch and ``optimizer_steps``; the evaluation, sample and
+export of the whole model are left out.
 """
 
 from __future__ import annotations
@@ -110,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--activation-checkpointing",
         action="store_true",
         help="recompute each decoder block's activations in backward",
+    )
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (train_pipelined)"
     )
     parser.add_argument(
         "--pack",
@@ -292,7 +304,7 @@ def build_model(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        tie_word_embeddings=True,
+        tie_word_embeddings=args.pp == 1,  # pipeline stages cannot share it
         pad_token_id=PAD,
         bos_token_id=BOS,
         eos_token_id=EOS,
@@ -476,6 +488,9 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     Returns:
         The final parameters' digest, or ``None`` for a run stopped early.
     """
+    if args.pp > 1:
+        train_pipelined(ctx, args)
+        return None
     texts = sentences(args.sentences + 64, seed=args.seed)
     tok = CharTokenizer.over([*SUBJECTS, *VERBS, *OBJECTS, *ENDINGS, " and ."])
     encoded = [tok.encode(text) for text in texts]
@@ -637,6 +652,130 @@ def train(ctx: fa.DistributedContext, args: argparse.Namespace) -> str | None:
     digest = param_digest(model)
     fa.print_main(ctx, f"param_sha256: {digest}")
     return digest
+
+
+class LlamaEmbed(nn.Module):
+    """The first unit of the chain: token ids to hidden states."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.embed_tokens(input_ids)
+        return out
+
+
+class LlamaBlock(nn.Module):
+    """One decoder block, computing its own rotary positions (causal attention)."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = [rotary]  # no parameters; kept out of the state dict
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows, width = hidden.shape[:2]
+        positions = torch.arange(width, device=hidden.device).expand(rows, -1)
+        cos_sin = self.rotary[0](hidden, positions)
+        # No mask: causal attention, and the padding sits after every token.
+        out = self.layer(hidden, position_ids=positions, position_embeddings=cos_sin)
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
+
+class LlamaHead(nn.Module):
+    """The last unit: final norm, then the output projection to logits."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.norm(hidden))
+        return out
+
+
+class LlamaChain(nn.Module):
+    """The Llama as ``embed, layers.0 .. layers.{n-1}, head``: the same forward."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.embed = LlamaEmbed(model.model.embed_tokens)
+        self.layers = nn.ModuleList(
+            LlamaBlock(layer, model.model.rotary_emb) for layer in model.model.layers
+        )
+        self.head = LlamaHead(model.model.norm, model.lm_head)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        out: torch.Tensor = self.head(hidden)
+        return out
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t + 1; the padding (-100) adds nothing."""
+    return F.cross_entropy(
+        logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], reduction="sum"
+    )
+
+
+def pipeline_parts(
+    ctx: fa.DistributedContext,
+    args: argparse.Namespace,
+    mesh: fa.ParallelMesh | None,
+) -> tuple[fa.ShardedLoader, nn.Module]:
+    """``--pp``'s loader (fixed-width batches) and the model as a chain of units."""
+    texts = sentences(args.sentences, seed=args.seed)
+    tok = CharTokenizer.over([*SUBJECTS, *VERBS, *OBJECTS, *ENDINGS, " and ."])
+    rows = [tok.encode(text) for text in texts]
+    width = max(len(row) for row in rows)
+
+    def fixed(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = collate([*batch, [PAD] * width])  # every batch padded to `width`
+        return padded["input_ids"][:-1], padded["labels"][:-1]
+
+    data = DataLoader(
+        Sentences(rows), batch_size=args.batch_size, shuffle=True,
+        drop_last=True, collate_fn=fixed,
+    )  # fmt: skip
+    loader = fa.shard_loader(ctx, data, seed=args.seed, mesh=mesh)
+    return loader, LlamaChain(build_model(ctx, args, len(tok.vocab)))
+
+
+def train_pipelined(ctx: fa.DistributedContext, args: argparse.Namespace) -> None:
+    """``--pp N``: train the chain as an N-stage pipeline, token-weighted."""
+    if args.mixed_precision != "no" or args.streaming or args.pack:
+        raise SystemExit(
+            "train_causal_lm: --pp runs in fp32 on padded sentences: pass "
+            "--mixed-precision no, without --streaming / --pack"
+        )
+    mesh = fa.build_mesh(ctx, pp=args.pp)
+    loader, chain = pipeline_parts(ctx, args, mesh)
+    fsdp = fa.FSDPOptions() if mesh.dp_shard > 1 else None
+    options = fa.PipelineOptions(microbatches=2, schedule="1f1b")
+    pipe = fa.wrap_model(ctx, chain, mesh=mesh, pipeline=options, fsdp=fsdp)
+    assert isinstance(pipe, fa.Pipeline)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.01)
+    grad = fa.GradState(accumulation_steps=args.accumulation_steps)
+    for epoch in range(args.epochs):
+        total, tokens = 0.0, 0
+        for batch in fa.iter_batches(loader, fa.LoaderState(epoch=epoch)):
+            input_ids, labels = batch.data
+            n = int((labels[:, 1:] != -100).sum())
+            loss, grad = fa.pipeline_step(
+                ctx, grad, pipe, optimizer, (input_ids, labels), summed_token_loss,
+                num_items=n, end_of_dataloader=batch.is_last,
+                max_grad_norm=args.max_grad_norm,
+            )  # fmt: skip
+            total, tokens = total + float(loss) * n, tokens + n
+        fa.print_main(
+            ctx,
+            f"pp epoch {epoch + 1}/{args.epochs}: loss {total / tokens:.4f} per token",
+        )
+    fa.print_main(ctx, f"optimizer_steps: {grad.optimizer_steps}")
 
 
 if __name__ == "__main__":

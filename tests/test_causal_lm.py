@@ -26,7 +26,11 @@ from typing import Any
 import pytest
 import torch
 
+from funcaccel.accumulate import GradState
+from funcaccel.accumulate import accumulate_step
 from funcaccel.context import DistributedContext
+from funcaccel.loader import LoaderState
+from funcaccel.loader import iter_batches
 from funcaccel.testing import run_ranks
 from tests._scripts import REPO
 from tests._scripts import Finished
@@ -270,3 +274,40 @@ def test_compiled_and_checkpointed_blocks_train_bit_for_bit_like_eager(
     )
     assert found is not None and int(found.group(1)) >= 2, report
     assert _value(compiled, "param_sha256") == _value(plain, "param_sha256")
+
+
+def _pipeline_reference(argv: list[object]) -> list[str]:
+    """``--pp``'s chain trained in one process by accumulate_step: its epoch lines."""
+    example = _example()
+    args = example.parse_args([*map(str, argv)])
+    ctx = DistributedContext()
+    loader, model = example.pipeline_parts(ctx, args, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    grad, lines = GradState(accumulation_steps=args.accumulation_steps), []
+    for epoch in range(args.epochs):
+        total, tokens = 0.0, 0
+        for batch in iter_batches(loader, LoaderState(epoch=epoch)):
+            ids, labels = batch.data
+            n = int((labels[:, 1:] != -100).sum())
+
+            def loss_fn(ids: torch.Tensor = ids, labels: torch.Tensor = labels) -> Any:
+                return example.summed_token_loss(model(ids), labels)
+
+            loss, grad = accumulate_step(
+                ctx, grad, model, opt, loss_fn, num_items=n,
+                end_of_dataloader=batch.is_last, max_grad_norm=args.max_grad_norm,
+            )  # fmt: skip
+            total, tokens = total + float(loss) * n, tokens + n
+        lines.append(f"pp epoch {epoch + 1}/2: loss {total / tokens:.4f} per token")
+    return lines
+
+
+@pytest.mark.distributed
+def test_two_processes_as_a_two_stage_pipeline_match_one_process() -> None:
+    argv: list[object] = [*TINY, "--pp", "2", "--mixed-precision", "no"]
+    done = _finished(argv, processes=2)
+    got = re.findall(r"^pp epoch .*$", done.stdout, flags=re.MULTILINE)
+    # The 1F1B pipeline's token-weighted windows equal one process's, epoch by epoch.
+    with _one_thread():
+        assert got == _pipeline_reference(argv), done.stdout
+    assert _value(done.stdout, "optimizer_steps") == "6"
