@@ -11,6 +11,10 @@ reports
 
 * **held**: the bytes of its parameters, gradients and AdamW state, counted
   tensor by tensor (a ``DTensor`` by its local shard) after the last step;
+* **RSS rise**: the rank's peak resident memory (``ru_maxrss``) above its value
+  before the model was built, with glibc's mmap threshold fixed at 128 KiB (as
+  ``bench_mesh_memory.py`` does): what the process really took, allocator,
+  gloo buffers and all, on top of the tensors;
 * **peak (tracker)**: the peak torch's memory tracker saw on the real run
   (``FSDPMemTracker`` for an FSDP2 model, ``MemTracker`` otherwise): the live
   tensors' storage, the measure the estimate predicts. DDP's gradient buckets
@@ -28,6 +32,8 @@ of estimated against measured peaks.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 from typing import Any
 
 import torch
@@ -107,6 +113,7 @@ def _reset(module: nn.Module) -> None:
 def _real(
     ctx: DistributedContext, layout: str, args: argparse.Namespace
 ) -> dict[str, int]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.set_num_threads(1)
     torch.manual_seed(0)
     options = _options(layout, ctx.num_processes, args.blocks)
@@ -157,7 +164,8 @@ def _real(
         for v in state.values()
         if isinstance(v, torch.Tensor)
     )
-    return {"held": held, "peak": int(peak) + _ddp_buckets(model)}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"held": held, "peak": int(peak) + _ddp_buckets(model), "rss": rss}
 
 
 def _estimate(layout: str, world: int, args: argparse.Namespace) -> dict[str, int]:
@@ -181,21 +189,23 @@ def _row(name: str, est: dict[str, int], real: dict[str, int]) -> str:
     return (
         f"| {name} | {est['held'] / MiB:.3f} | {real['held'] / MiB:.3f} | "
         f"{gap(est['held'], real['held'])} | {est['peak'] / MiB:.3f} | "
-        f"{real['peak'] / MiB:.3f} | {gap(est['peak'], real['peak'])} |"
+        f"{real['peak'] / MiB:.3f} | {gap(est['peak'], real['peak'])} | "
+        f"{real['rss'] / MiB:.3f} | {gap(est['peak'], real['rss'])} |"
     )
 
 
-def _png(path: str, labels: list[str], est: list[float], real: list[float]) -> None:
+def _png(path: str, labels: list[str], bars: dict[str, list[float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3), dpi=80)
-    at = range(len(labels))
-    ax.bar([i - 0.2 for i in at], est, 0.4, label="estimate_memory")
-    ax.bar([i + 0.2 for i in at], real, 0.4, label="real gloo run (tracker)")
-    ax.set_xticks(list(at), labels, rotation=20, fontsize=8)
+    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=80)
+    width = 0.8 / len(bars)
+    for k, (label, values) in enumerate(bars.items()):
+        at = [i - 0.4 + width * (k + 0.5) for i in range(len(labels))]
+        ax.bar(at, values, width, label=label)
+    ax.set_xticks(list(range(len(labels))), labels, rotation=20, fontsize=8)
     ax.set_ylabel("peak per rank (MiB)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -213,6 +223,10 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--png", default=None, help="write the bar chart here")
     args = parser.parse_args()
+    # glibc keeps freed blocks under its (rising) mmap threshold in the heap, so
+    # RSS would show the allocator's high-water mark; a fixed threshold returns
+    # every block over 128 KiB on free. Set before the ranks' fork server starts.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     params = sum(p.numel() for p in _net(args).parameters())
     print(
         f"MLP of {args.blocks} blocks {args.hidden}->{2 * args.hidden}->{args.hidden}: "
@@ -221,12 +235,16 @@ def main() -> None:
     )
     print()
     print(
-        "| layout | held est. | held real | held diff % | peak est. | peak real | peak diff % |"
+        "| layout | held est. | held real | held diff % | peak est. | peak real "
+        "| peak diff % | RSS rise real | peak est. vs RSS rise % |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     labels: list[str] = []
-    ests: list[float] = []
-    reals: list[float] = []
+    bars: dict[str, list[float]] = {
+        "estimate_memory": [],
+        "real run, torch's tracker": [],
+        "real run, RSS rise": [],
+    }
     for world in args.worlds:
         for layout in args.layouts:
             if layout in ("hsdp", "fsdp_tp") and world != 4:
@@ -238,15 +256,17 @@ def main() -> None:
             name = f"{layout}, {world} ranks"
             print(_row(name, est, real), flush=True)
             labels.append(name)
-            ests.append(est["peak"] / MiB)
-            reals.append(real["peak"] / MiB)
+            for bar, value in zip(
+                bars.values(), (est["peak"], real["peak"], real["rss"]), strict=True
+            ):
+                bar.append(value / MiB)
             if layout == "fsdp" and world == args.worlds[0]:
                 again = run_ranks(
                     _real, world, layout, args, timeout_s=600, start_method="forkserver"
                 )[0]
                 print(_row(f"{NOISE}, {world} ranks", est, again), flush=True)
     if args.png is not None:
-        _png(args.png, labels, ests, reals)
+        _png(args.png, labels, bars)
         print(f"\nbar chart: {args.png}")
 
 

@@ -39,6 +39,7 @@ PAGES: Final = (
     "model.md",
     "mesh.md",
     "pipeline.md",
+    "planning.md",
     "profiler.md",
     "tracking.md",
     "checkpoint.md",
