@@ -123,6 +123,14 @@ def test_peak_parts_add_up_and_grow_with_accumulation_and_batch() -> None:
         _mlp, BATCH, optimizer_fn=_adamw, world_size=4, fsdp=fsdp, accumulation_steps=2
     )
     assert two.peak > one.peak
+    # bf16 autocast (the context's mixed_precision): half-size activations.
+    bf16 = estimate_memory(
+        _mlp, torch.zeros(512, 64), optimizer_fn=_adamw, world_size=4, fsdp=fsdp,
+        mixed_precision="bf16",
+    )  # fmt: skip
+    acts = dict(bf16.ranks[0].peak_parts)["activations"]
+    assert acts < dict(bigger.ranks[0].peak_parts)["activations"]
+    assert bf16.ranks[0].parameters == rank.parameters  # float32 parameters kept
     assert one.peak_with_margin == -(-one.peak * 11 // 10)
     text = one.table()
     assert "fsdp on 4 ranks" in text and "| **peak** |" in text and "NCCL" in text

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 from typing import Final
@@ -32,7 +31,6 @@ from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
-from funcaccel._dist_types import is_fsdp_module
 from funcaccel._tree import tree_map
 from funcaccel._typing import MixedPrecision
 from funcaccel.accumulate import accumulate_step
@@ -43,6 +41,10 @@ from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
 from funcaccel.model import wrap_model
+from funcaccel.planning._counting import build_tracker
+from funcaccel.planning._counting import held_bytes
+from funcaccel.planning._counting import is_uneven
+from funcaccel.planning._counting import peak_parts
 from funcaccel.planning._estimate import MemoryEstimate
 from funcaccel.planning._estimate import RankMemory
 from funcaccel.planning._fake_world import fake_tensor_mode
@@ -52,23 +54,6 @@ __all__ = ["estimate_memory", "plan_strategy"]
 
 _CALLER: Final = "estimate_memory"
 _STEPS: Final = 2  # the second step has the optimizer's state from the first
-_PARTS: Final = {
-    "Sharded Param": "parameters (sharded)",
-    "Unsharded Param": "parameters (gathered)",
-    "Parameter": "parameters",
-    "Buffer": "buffers",
-    "Sharded Grad": "gradients (sharded)",
-    "Unsharded Grad": "gradients (unsharded)",
-    "Gradient": "gradients",
-    "OptState": "optimizer state",
-    "Optstate": "optimizer state",
-    "All Gather": "all-gather buffers",
-    "Reduce Scatter": "reduce-scatter buffers",
-    "Activation": "activations",
-    "Inputs": "inputs",
-    "Temp": "temporaries",
-    "Other": "other",
-}
 _DDP_BUCKETS: Final = "DDP gradient buckets"
 _DDP_COPY: Final = "DDP gradient temporaries"
 
@@ -97,50 +82,6 @@ def _no_init(module: nn.Module) -> None:
     del module  # fake tensors: their values do not matter, only their sizes
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    local = getattr(tensor, "to_local", None)
-    return local() if callable(local) else tensor
-
-
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """The local bytes of ``tensors``, each (tied parameters: one object) once."""
-    unique = {id(tensor): tensor for tensor in tensors}
-    return sum(
-        _local(tensor).numel() * _local(tensor).element_size()
-        for tensor in unique.values()
-    )
-
-
-def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
-    """This rank's parameters, their gradients (one per trainable parameter) and
-    the optimizer's state tensors, in bytes."""
-    params = list(model.parameters())  # tied parameters once
-    grads = _nbytes(p for p in params if p.requires_grad)
-    state = [
-        value
-        for per_param in optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    return _nbytes(params), grads, _nbytes(state)
-
-
-def _is_uneven(model: nn.Module) -> bool:
-    """Whether some parameter's shards differ in size across ranks."""
-    for param in model.parameters():
-        spec = getattr(param, "_spec", None)
-        if spec is None:
-            continue
-        parts = math.prod(
-            spec.mesh.size(dim)
-            for dim, placement in enumerate(spec.placements)
-            if getattr(placement, "dim", None) is not None  # Shard, _StridedShard
-        )
-        if _local(param).numel() * parts != param.numel():
-            return True
-    return False
-
-
 def _fake_batch(mode: Any, batch: object) -> object:
     def fake(x: object) -> object:
         if not isinstance(x, torch.Tensor):
@@ -159,32 +100,6 @@ def _call(model: nn.Module, batch: object) -> object:
     if isinstance(batch, tuple | list):
         return model(*batch)
     return model(batch)
-
-
-def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer, batch: object) -> Any:
-    module: nn.Module = model  # is_fsdp_module narrows to FSDPModule alone
-    if is_fsdp_module(model):
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        sharded = FSDPMemTracker(module, optimizer)
-        sharded.track_inputs((batch,))
-        return sharded
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    plain = MemTracker()
-    plain.track_external(module, optimizer)
-    return plain
-
-
-def _peak_parts(tracker: Any) -> dict[str, int]:
-    parts: dict[str, int] = {}
-    for per_device in tracker.get_tracker_snapshot("peak").values():
-        for kind, count in per_device.items():
-            if kind == "Total":
-                continue
-            name = _PARTS.get(getattr(kind, "value", str(kind)), str(kind))
-            parts[name] = parts.get(name, 0) + int(count)
-    return parts
 
 
 def _check_arguments(
@@ -383,7 +298,7 @@ def _estimate_rank(
                 )
             optimizer = optimizer_fn(list(wrapped.parameters()))
             fake = _fake_batch(mode, batch)
-            tracker = _tracker(wrapped, optimizer, fake)
+            tracker = build_tracker(wrapped, optimizer, fake)
             compute_loss = loss_fn or output_loss
             with tracker:
                 grad = GradState(accumulation_steps=accumulation_steps)
@@ -398,9 +313,9 @@ def _estimate_rank(
                     # The trackers keep one forward's per-module stats (and
                     # refuse a second); the peak survives the reset.
                     tracker.reset_mod_stats()
-            parts = _peak_parts(tracker)
-            parameters, gradients, state = _held(wrapped, optimizer)
-            uneven = _is_uneven(wrapped)
+            parts = peak_parts(tracker)
+            parameters, gradients, state = held_bytes(wrapped, optimizer)
+            uneven = is_uneven(wrapped)
         if strategy == "ddp":
             kwargs = ddp_kwargs or DistributedDataParallelKwargs()
             parts[_DDP_BUCKETS] = 0 if kwargs.gradient_as_bucket_view else gradients

@@ -1,0 +1,113 @@
+"""What ``estimate_memory`` counts: held bytes, shard evenness, the tracker and its peak.
+
+``held_bytes`` counts a rank's parameters, gradients and optimizer state tensor by
+tensor (a ``DTensor`` by its local shard, a tied parameter once);
+``build_tracker`` picks torch's memory tracker for the wrapped model and
+``peak_parts`` names the parts of its peak snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+from typing import Final
+
+import torch
+from torch import nn
+
+from funcaccel._dist_types import is_fsdp_module
+
+__all__ = ["build_tracker", "held_bytes", "is_uneven", "peak_parts"]
+
+_PARTS: Final = {
+    "Sharded Param": "parameters (sharded)",
+    "Unsharded Param": "parameters (gathered)",
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Sharded Grad": "gradients (sharded)",
+    "Unsharded Grad": "gradients (unsharded)",
+    "Gradient": "gradients",
+    "OptState": "optimizer state",
+    "Optstate": "optimizer state",
+    "All Gather": "all-gather buffers",
+    "Reduce Scatter": "reduce-scatter buffers",
+    "Activation": "activations",
+    "Inputs": "inputs",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "to_local", None)
+    return local() if callable(local) else tensor
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The local bytes of ``tensors``, each (tied parameters: one object) once."""
+    unique = {id(tensor): tensor for tensor in tensors}
+    return sum(
+        _local(tensor).numel() * _local(tensor).element_size()
+        for tensor in unique.values()
+    )
+
+
+def held_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, int, int]:
+    """This rank's parameters, their gradients (one per trainable parameter) and
+    the optimizer's state tensors, in bytes."""
+    params = list(model.parameters())  # tied parameters once
+    grads = _nbytes(p for p in params if p.requires_grad)
+    state = [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return _nbytes(params), grads, _nbytes(state)
+
+
+def is_uneven(model: nn.Module) -> bool:
+    """Whether some parameter's shards differ in size across ranks."""
+    for param in model.parameters():
+        spec = getattr(param, "_spec", None)
+        if spec is None:
+            continue
+        parts = math.prod(
+            spec.mesh.size(dim)
+            for dim, placement in enumerate(spec.placements)
+            if getattr(placement, "dim", None) is not None  # Shard, _StridedShard
+        )
+        if _local(param).numel() * parts != param.numel():
+            return True
+    return False
+
+
+def build_tracker(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: object
+) -> Any:
+    module: nn.Module = model  # is_fsdp_module narrows to FSDPModule alone
+    if is_fsdp_module(model):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        sharded = FSDPMemTracker(module, optimizer)
+        sharded.track_inputs((batch,))
+        return sharded
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    plain = MemTracker()
+    plain.track_external(module, optimizer)
+    return plain
+
+
+def peak_parts(tracker: Any) -> dict[str, int]:
+    parts: dict[str, int] = {}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for kind, count in per_device.items():
+            if kind == "Total":
+                continue
+            name = _PARTS.get(getattr(kind, "value", str(kind)), str(kind))
+            parts[name] = parts.get(name, 0) + int(count)
+    return parts
