@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from funcaccel import ActivationCheckpointOptions
+from funcaccel import CompileOptions
 from funcaccel import FSDPOptions
 from funcaccel import GradState
 from funcaccel import Pipeline
@@ -136,10 +138,11 @@ class Run(NamedTuple):
     fsdp: FSDPOptions | None = None
     tp_plan: dict[str, Any] | None = None
     clip: float | None = None
+    fast: tuple[Any, Any] = (None, None)  # activation checkpointing, compile
 
 
 def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
-    sizes, options, tokens, meta, fsdp, tp_plan, clip = run
+    sizes, options, tokens, meta, fsdp, tp_plan, clip, (ac, compiled) = run
     mesh = build_mesh(ctx, **sizes)
     torch.manual_seed(0)
     if meta:
@@ -148,9 +151,22 @@ def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
     else:
         model = Chain()
     pipe = wrap_model(
-        ctx, model, mesh=mesh, pipeline=options, fsdp=fsdp, tp_plan=tp_plan
+        ctx,
+        model,
+        mesh=mesh,
+        pipeline=options,
+        fsdp=fsdp,
+        tp_plan=tp_plan,
+        activation_checkpointing=ac,
+        compile=compiled,
     )
     assert isinstance(pipe, Pipeline)
+    if compiled is not None:  # every block of this rank's stage compiled
+        assert all(
+            getattr(m, "_compiled_call_impl", None) is not None
+            for m in pipe.modules()
+            if isinstance(m, nn.Sequential)
+        )
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     grad, losses, norms = GradState(accumulation_steps=K), [], []
     evaluated: Any = None
@@ -266,6 +282,13 @@ def test_every_schedule_at_pp2_equals_the_one_process_reference() -> None:
         microbatches=MICRO, schedule="zbv_zero_bubble", stages_per_rank=2
     )
     runs.append(Run({"pp": 2}, zbv, tokens=True, clip=0.5))
+    # Each stage's blocks checkpointed, then compiled in place (aot_eager).
+    blocks = (nn.Sequential,)
+    fast = (
+        ActivationCheckpointOptions(blocks=blocks),
+        CompileOptions(blocks=blocks, backend="aot_eager"),
+    )
+    runs.append(Run({"pp": 2}, PipelineOptions(microbatches=MICRO), fast=fast))
     per_rank = run_ranks(_runs, 2, runs, timeout_s=TIMEOUT, start_method="forkserver")
     for i, run in enumerate(runs):
         _check([per_rank[r][i] for r in range(2)], 1, run.tokens, run.clip)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import Final
 
@@ -29,6 +30,10 @@ from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
 from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import check_mesh
+from funcaccel.model._checkpointing import apply_activation_checkpointing
+from funcaccel.model._compile_blocks import compile_blocks
+from funcaccel.model._compile_options import ActivationCheckpointOptions
+from funcaccel.model._compile_options import CompileOptions
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
 from funcaccel.model._fsdp import shard_model
@@ -44,6 +49,7 @@ from funcaccel.model._pipeline_options import stage_indices
 __all__ = ["Pipeline", "StageModule", "build_pipeline"]
 
 _CALLER: Final = "wrap_model"
+FastStep = tuple[ActivationCheckpointOptions | None, CompileOptions | None]
 _PP_MESH: Final = "a ParallelMesh with pp > 1 (from build_mesh(ctx, pp=...))"
 
 
@@ -205,12 +211,26 @@ def _materialize_mine_(
             unit.to("meta")
 
 
+def _has_blocks(module: nn.Module, classes: Sequence[type[nn.Module]]) -> bool:
+    return not classes or any(isinstance(m, tuple(classes)) for m in module.modules())
+
+
+def _fast_stage_(module: nn.Module, fast: FastStep) -> None:
+    """Checkpoint, then compile, the stage's blocks in place (a stage without any is left)."""
+    checkpointing, compile = fast
+    if checkpointing is not None and _has_blocks(module, checkpointing.blocks):
+        apply_activation_checkpointing(module, checkpointing)
+    if compile is not None and _has_blocks(module, compile.blocks):
+        compile_blocks(module, compile)
+
+
 def _wrap_stage(
     ctx: DistributedContext,
     module: StageModule,
     mesh: ParallelMesh,
     tp_plan: Mapping[str, Any] | None,
     fsdp: FSDPOptions | None,
+    fast: FastStep,
 ) -> nn.Module:
     device_mesh = mesh.device_mesh
     assert device_mesh is not None
@@ -221,6 +241,7 @@ def _wrap_stage(
         names = {name for name, _ in module.named_modules()}
         plan = {k: v for k, v in tp_plan.items() if "*" in k or k in names}
         parallelize_module(module, device_mesh["tp"], plan)
+    _fast_stage_(module, fast)
     if mesh.dp_size == 1:
         return module
     if mesh.dp_replicate > 1:
@@ -240,8 +261,12 @@ def build_pipeline(
     tp_plan: Mapping[str, Any] | None,
     fsdp: FSDPOptions | None,
     init_fn: Callable[[nn.Module], None] | None,
+    fast: FastStep = (None, None),
 ) -> Pipeline:
     """Cut ``model`` into stages and build this rank's, wrapped; see ``wrap_model``.
+
+    In each stage: tensor parallelism, activation checkpointing and in-place
+    compilation of its blocks (``fast``), then FSDP2 / replication.
 
     Raises:
         TypeError: ``options`` or ``mesh`` of the wrong type.
@@ -272,7 +297,7 @@ def build_pipeline(
     for index in indices:
         stage = StageModule([(name, by_name[name]) for name in cuts[index]])
         place_(stage, ctx.device)
-        wrapped = _wrap_stage(ctx, stage, layout, tp_plan, fsdp)
+        wrapped = _wrap_stage(ctx, stage, layout, tp_plan, fsdp, fast)
         modules.append(wrapped)
         stages.append(
             PipelineStage(wrapped, index, num_stages, ctx.device, group=group)

@@ -132,11 +132,11 @@ def wrap_model(
             "deepspeed": deepspeed,
             "scheduler": scheduler,
             "grad": grad,
-            "compile": compile,
-            "activation_checkpointing": activation_checkpointing,
         }
         _check_pipeline_arguments(others, optimizers)
-        return build_pipeline(ctx, model, pipeline, mesh, tp_plan, fsdp, init_fn)
+        check_fast_step(_CALLER, model, activation_checkpointing, compile)
+        fast = (activation_checkpointing, compile)
+        return build_pipeline(ctx, model, pipeline, mesh, tp_plan, fsdp, init_fn, fast)
     check_fast_step(_CALLER, model, activation_checkpointing, compile)
     opts = as_optimizers(_CALLER, optimizers)
     if deepspeed is not None or scheduler is not None or grad is not None:
