@@ -201,10 +201,23 @@ def _fsdp_worker(ctx: DistributedContext, mode: CheckpointMode) -> dict[str, Any
     return results
 
 
+def _fsdp_modes(ctx: DistributedContext) -> dict[str, dict[str, Any]]:
+    """Both modes in one spawned run."""
+    modes: tuple[CheckpointMode, ...] = ("full", "selective")
+    return {mode: _fsdp_worker(ctx, mode) for mode in modes}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(_fsdp_modes, 2, timeout_s=240, start_method="forkserver")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointing_under_fsdp2_changes_no_bit(mode: CheckpointMode) -> None:
-    ranks = run_ranks(_fsdp_worker, 2, mode, timeout_s=240, start_method="forkserver")
+def test_checkpointing_under_fsdp2_changes_no_bit(
+    fsdp_runs: list[dict[str, dict[str, Any]]], mode: CheckpointMode
+) -> None:
+    ranks = [run[mode] for run in fsdp_runs]
     for result in ranks:
         plain_losses, plain_params = result["ac=False"]
         ac_losses, ac_params = result["ac=True"]
