@@ -223,3 +223,37 @@ def test_memory_values_check_their_fields() -> None:
         world_size=1, mesh=(1, 1, 1), strategy="none", ranks=(rank,), margin=0.5
     )
     assert est.peak_with_margin == 12 and est.fits(12) and not est.fits(11)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(torch.relu(self.up(x)))
+        return out
+
+
+def test_wrap_model_options_pass_through_activation_checkpointing() -> None:
+    from funcaccel.model import ActivationCheckpointOptions
+
+    def build() -> nn.Module:
+        return nn.Sequential(*(_Residual() for _ in range(4)))
+
+    fsdp = FSDPOptions(shard_modules=(_Residual,))
+    kwargs: dict[str, Any] = {"optimizer_fn": _adamw, "world_size": 4, "fsdp": fsdp}
+    plain = estimate_memory(build, torch.zeros(512, 64), **kwargs)
+    checkpointed = estimate_memory(
+        build,
+        torch.zeros(512, 64),
+        activation_checkpointing=ActivationCheckpointOptions(blocks=(_Residual,)),
+        **kwargs,
+    )
+    # Each block keeps only its input (512 x 64 floats) instead of its inner
+    # activations (a 512 x 256 product and its ReLU among them).
+    saved = dict(plain.ranks[0].peak_parts)["activations"]
+    kept = dict(checkpointed.ranks[0].peak_parts)["activations"]
+    assert kept < saved / 4
+    assert checkpointed.peak < plain.peak
+    assert _held(checkpointed) == _held(plain)
