@@ -110,16 +110,21 @@ def _pipelined(
     }
 
 
-def _fsdp(ctx: DistributedContext, resume_from: Path) -> dict[str, torch.Tensor]:
+def _fsdp(
+    ctx: DistributedContext, resume_from: Path | None, save_to: Path | None = None
+) -> dict[str, torch.Tensor]:
     """Plain FSDP2 over the 2 ranks (pp=1), each reading half of every batch."""
     torch.manual_seed(0)
     model = wrap_model(ctx, Chain(), fsdp=FSDPOptions())
     opt = _sgd(model.parameters())
-    loaded = load_checkpoint(ctx, resume_from, models=model, optimizers=opt)
-    assert loaded.grad is not None
-    grad, half = loaded.grad, PER_RANK // 2
+    grad, start = GradState(), 0
+    if resume_from is not None:
+        loaded = load_checkpoint(ctx, resume_from, models=model, optimizers=opt)
+        assert loaded.grad is not None
+        grad, start = loaded.grad, SAVE_AFTER
+    half = PER_RANK // 2
     rows = slice(ctx.process_index * half, (ctx.process_index + 1) * half)
-    for step in range(SAVE_AFTER, STEPS):
+    for step in range(start, STEPS):
         x, t = _batches()[step]
 
         def loss_fn(
@@ -128,6 +133,8 @@ def _fsdp(ctx: DistributedContext, resume_from: Path) -> dict[str, torch.Tensor]
             return _mean_loss(model(x), t)
 
         _, grad = accumulate_step(ctx, grad, model, opt, loss_fn)
+        if save_to is not None and step + 1 == SAVE_AFTER:
+            save_checkpoint(ctx, save_to, models=model, optimizers=opt, grad=grad)
     return {
         name: value.full_tensor().detach().clone()
         for name, value in model.state_dict().items()
@@ -142,6 +149,10 @@ def _on_2_ranks(ctx: DistributedContext, tmp: Path) -> dict[str, Any]:
     for name, options in CUTS.items():
         out[f"pp2->{name}"] = _pipelined(ctx, options, None, saved)
     out["pp2->fsdp pp=1"] = _fsdp(ctx, saved)
+    out["fsdp pp=1"] = _fsdp(ctx, None, save_to=tmp / "fsdp")
+    fsdp = latest_checkpoint(tmp / "fsdp")
+    assert fsdp is not None
+    out["fsdp pp=1->pp2"] = _pipelined(ctx, CUTS["pp2_at_layers1"], None, fsdp)
     one = latest_checkpoint(tmp / "one")
     assert one is not None
     with pytest.raises(ValueError, match=r"holds whole .* is a Pipeline"):
