@@ -24,6 +24,7 @@ from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.model import CompileOptions
+from funcaccel.model import DeepSpeedOptions
 from funcaccel.model import CompileReport
 from funcaccel.model import compile_blocks
 from funcaccel.model import compile_report
@@ -129,6 +130,12 @@ def test_compile_blocks_refuses_wrong_orders() -> None:
         TypeError, match=r"wrap_model: compile must be a CompileOptions"
     ):
         wrap_model(DistributedContext(), TinyNet(), compile=CHEAP.blocks)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"wrap_model: compile must be None with deeps"
+    ):
+        wrap_model(
+            DistributedContext(), TinyNet(), deepspeed=DeepSpeedOptions(), compile=CHEAP
+        )
 
 
 def test_accumulation_autocast_clipping_and_no_sync_add_no_graph_break() -> None:
