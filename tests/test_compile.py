@@ -24,8 +24,8 @@ from funcaccel.context import DistributedContext
 from funcaccel.grad_state import GradState
 from funcaccel.mixed_precision import autocast_ctx
 from funcaccel.model import CompileOptions
-from funcaccel.model import DeepSpeedOptions
 from funcaccel.model import CompileReport
+from funcaccel.model import DeepSpeedOptions
 from funcaccel.model import compile_blocks
 from funcaccel.model import compile_report
 from funcaccel.model import wrap_model
