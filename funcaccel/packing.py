@@ -48,6 +48,7 @@ from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
+from funcaccel._stream_state import resumes_exactly
 
 __all__ = [
     "PackedDocuments",
@@ -143,7 +144,7 @@ class PackedDocuments(IterableDataset[dict[str, torch.Tensor]]):
     def _source(self, start: dict[str, Any] | None) -> tuple[Any, Iterator[Any]]:
         """Return the documents object read and its iterator, positioned at ``start``."""
         documents: Any = self.documents
-        loadable = callable(getattr(documents, "load_state_dict", None))
+        loadable = resumes_exactly(documents)
         if start is not None and start["source"] is not None and loadable:
             documents = copy.deepcopy(documents)
             documents.load_state_dict(copy.deepcopy(start["source"]))
@@ -156,7 +157,7 @@ class PackedDocuments(IterableDataset[dict[str, torch.Tensor]]):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         start, self._start = self._start, None
         source, iterator = self._source(start)
-        stateful = callable(getattr(source, "state_dict", None))
+        stateful = resumes_exactly(source)
         docs = 0 if start is None else start["docs"]
         # the first token of the current document not yet placed in a row
         offset = 0 if start is None else start["offset"]

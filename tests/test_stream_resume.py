@@ -40,6 +40,7 @@ from funcaccel.loader import iter_batches
 from funcaccel.loader import shard_loader
 from funcaccel.model import unwrap_model
 from funcaccel.model import wrap_model
+from funcaccel.packing import pack_documents
 from funcaccel.testing import rank_ctx
 from funcaccel.testing import run_ranks
 from tests._hf import FileReads
@@ -47,7 +48,7 @@ from tests._hf import hf_stream
 from tests._hf import scipy_env
 from tests._hf import write_jsonl
 
-pytest.importorskip("datasets")
+datasets = pytest.importorskip("datasets")
 pytestmark = pytest.mark.usefixtures(scipy_env.__name__)
 
 SAMPLES = 23
@@ -197,6 +198,36 @@ def test_a_stream_state_inside_the_new_global_batch_is_refused_naming_both_world
         iter_batches(_loader(make, 3, 0, batch_size=2), state)
     assert "global batch divides 8" in str(error.value)
     assert "LoaderState(epoch=1)" in str(error.value)
+
+
+def test_a_buffer_shuffled_hf_stream_is_replayed_not_loaded(tmp_path: Path) -> None:
+    # datasets saves no shuffle buffer: loading its state would silently lose the
+    # samples the buffer held, so the loader reads such a stream as a plain one.
+    files = write_jsonl(tmp_path / "data", SAMPLES, 3)
+
+    def loader(p: int, rank: int) -> Any:
+        stream = hf_stream(files, tmp_path / "cache").shuffle(seed=1, buffer_size=4)
+        data = DataLoader(stream, batch_size=BATCH)
+        return shard_loader(rank_ctx(p, rank), data, dispatch_batches=False)
+
+    for p in (1, 2):
+        unbroken = [list(iter_batches(loader(p, r))) for r in range(p)]
+        flat = {i for run in unbroken for b in _ids(run) for i in b}
+        assert flat == set(range(SAMPLES))  # shuffled, every sample once
+        for rank in range(p):
+            state = unbroken[rank][2].state
+            assert state.stream_state is None
+            resumed = list(iter_batches(loader(p, rank), state))
+            assert _ids(resumed) == _ids(unbroken[rank][3:])
+    raw = datasets.load_dataset(
+        "json", data_files=files, split="train", streaming=True, cache_dir=str(tmp_path)
+    )
+    shuffled = raw.shuffle(seed=1, buffer_size=4)
+    documents = shuffled.map(lambda e: {"tokens": [e["id"], 0]})
+    packed = pack_documents(documents, seq_len=4, field="tokens")
+    iterator = iter(packed)
+    next(iterator)
+    assert packed.state_dict()["source"] is None  # packing replays it too
 
 
 def test_a_state_without_the_streams_position_replays_the_skipped_samples() -> None:

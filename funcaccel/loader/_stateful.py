@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset
 from torch.utils.data import get_worker_info
 
+from funcaccel._stream_state import resumes_exactly
 from funcaccel.loader._reading import TaggedCollate
 
 __all__ = [
@@ -45,7 +46,10 @@ __all__ = [
 
 
 def is_stateful(dataset: object) -> bool:
-    """Whether ``dataset`` is an iterable dataset with ``state_dict`` and ``load_state_dict``.
+    """Whether ``dataset`` is an iterable dataset whose own state resumes it exactly.
+
+    It has ``state_dict`` and ``load_state_dict``, and is no ``datasets`` stream
+    shuffled through a buffer (``funcaccel._stream_state``).
 
     >>> class Counter(IterableDataset[int]):
     ...     def __iter__(self): return iter(range(3))
@@ -54,11 +58,7 @@ def is_stateful(dataset: object) -> bool:
     >>> is_stateful(Counter()), is_stateful(range(3))
     (True, False)
     """
-    return (
-        isinstance(dataset, IterableDataset)
-        and callable(getattr(dataset, "state_dict", None))
-        and callable(getattr(dataset, "load_state_dict", None))
-    )
+    return isinstance(dataset, IterableDataset) and resumes_exactly(dataset)
 
 
 @dataclass(frozen=True, slots=True)
