@@ -37,6 +37,7 @@ from funcaccel.checkpoint._deepspeed_state import gathered_ctx
 from funcaccel.checkpoint._export_dir import commit_export
 from funcaccel.checkpoint._export_dir import export_source
 from funcaccel.checkpoint._export_dir import prepare_export
+from funcaccel.checkpoint._export_pipeline import whole_model
 from funcaccel.checkpoint._export_plan import ExportEntry
 from funcaccel.checkpoint._export_plan import index_name
 from funcaccel.checkpoint._export_plan import parse_shard_size
@@ -111,7 +112,8 @@ def save_model(
 
     Args:
         ctx: the distributed context.
-        model: the model, plain, DDP-wrapped, sharded by FSDP2, or a DeepSpeed engine.
+        model: the model, plain, DDP-wrapped, sharded by FSDP2, a DeepSpeed engine,
+            or a ``Pipeline`` (its stages gathered, the model's own names).
         directory: where the export goes, seen by rank 0 (created if missing).
         max_shard_size: the largest file, in bytes or as a string: ``"5GB"`` is
             5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30 (also KB, MB, KiB, MiB).
@@ -131,14 +133,17 @@ def save_model(
     """
     caller = "save_model"
     root = _check_call(ctx, model, directory, caller)
-    if isinstance(unwrap_model(model), Pipeline):
-        msg = (
-            f"{caller}: model is a Pipeline, whose ranks hold one stage each; got "
-            f"stages {unwrap_model(model).stage_indices} on rank {ctx.process_index}. "
-            "Save a checkpoint (save_checkpoint), load it into the whole model with "
-            "pp=1 (FSDP2 or one process) and export that with save_model."
+    inner = unwrap_model(model)
+    if isinstance(inner, Pipeline):
+        # The stages gathered into one module of the model's own names.
+        return save_model(
+            ctx,
+            whole_model(inner),
+            directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            durable=durable,
         )
-        raise ValueError(msg)
     if is_deepspeed_engine(model):
         with gathered_ctx(model):  # ZeRO-3: every rank holds the full weights
             return save_model(
