@@ -283,12 +283,11 @@ def test_bench_fast_step_runs_and_compiled_equals_eager() -> None:
 def test_bench_memory_estimate_matches_real_gloo_runs() -> None:
     out = _run(
         "bench_memory_estimate", "--hidden", 64, "--blocks", 2, "--batch-size", 4,
-        "--worlds", 4,
+        "--worlds", 4, "--layouts", "ddp", "hsdp", "fsdp_tp",
     )  # fmt: skip
-    names = [
-        "ddp, 4 ranks", "fsdp, 4 ranks", "fsdp again (noise control), 4 ranks",
-        "hsdp, 4 ranks", "fsdp_tp, 4 ranks",
-    ]  # fmt: skip
+    # Three real 4-rank runs (the full table, FSDP2 at 2 and 4 ranks and the
+    # noise-control row included, is in benchmarks/README.md).
+    names = ["ddp, 4 ranks", "hsdp, 4 ranks", "fsdp_tp, 4 ranks"]
     _check_rows(out, names, 8, {})
     for name, cells in _numeric_rows(out):
         held_gap, peak_gap = float(cells[2]), float(cells[5])
