@@ -304,6 +304,31 @@ def test_worker_processes_resume_from_any_batch_state_in_the_same_order(
                 assert sorted(read) == sorted(rest)
 
 
+def test_with_workers_a_state_needs_the_global_batch_size_that_saved_it(
+    tmp_path: Path,
+) -> None:
+    make = _kinds(tmp_path)["own"]
+    two = list(iter_batches(_loader(make, 2, 0, num_workers=2)))  # G = 4
+    state = _round_trip(two[1].state)
+    with pytest.raises(
+        ValueError,
+        match=r"iter_batches: the state's global_batch_size must be this loader's total_batch_size \(2\) with num_workers=2; got 4\. The stream's state was saved by a loader on 2 data-parallel ranks and this loader runs on 1",
+    ):
+        iter_batches(_loader(make, 1, 0, num_workers=2), state)
+    # One rank with a batch of 4 keeps G = 4: it continues both workers' parts.
+    resumed = list(
+        iter_batches(_loader(make, 1, 0, num_workers=2, batch_size=4), state)
+    )
+    ranks = [
+        _ids(list(iter_batches(_loader(make, 2, r, num_workers=2)))) for r in (0, 1)
+    ]
+    joined = [ranks[0][s] + ranks[1][s] for s in range(2, len(ranks[0]))]
+    # The same batches; one rank keeps a worker's last one short where two pad it.
+    got = _ids(resumed)
+    assert all(j[: len(g)] == g for g, j in zip(got, joined, strict=True))
+    assert sum(map(len, got)) < sum(map(len, joined))
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_iterating_the_loader_directly_gives_the_batches_of_iter_batches(
     tmp_path: Path, workers: int

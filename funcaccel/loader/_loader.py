@@ -360,5 +360,6 @@ def iter_batches(loader: ShardedLoader, state: LoaderState = START) -> Iterator[
         ranks, samples = loader.data_parallel_size, skip * setup.total_batch_size
         fix = _FIX_STREAM.format(state.stream_ranks, ranks, samples, state.epoch + 1)
         workers, total = setup.dataloader.num_workers, setup.total_batch_size
-        check_worker_state(state.stream_state, workers, total, state.epoch, fix)
+        saved = state.global_batch_size
+        check_worker_state(state.stream_state, workers, total, state.epoch, fix, saved)
     return records(setup, state.epoch, skip, state.stream_state)

@@ -92,13 +92,20 @@ def worker_resumes(entries: list[Entry]) -> WorkerResumes:
 
 
 def check_worker_state(
-    state: object, workers: int, total: int, epoch: int, world_fix: str
+    state: object,
+    workers: int,
+    total: int,
+    epoch: int,
+    world_fix: str,
+    saved_total: int = 0,
 ) -> tuple[list[Entry], int]:
     """Return the saved positions and the next worker; ``ValueError`` if they do not fit.
 
     ``workers`` is this loader's ``num_workers`` (0: read in the training process),
-    ``total`` its global batch size; ``world_fix`` ends the error of a position
-    inside one of its global batches (saved on another world size).
+    ``total`` its global batch size and ``saved_total`` the one of the state (0:
+    the same); ``world_fix`` ends the error of a state this world cannot continue.
+    With workers the global batch size must not change: it sets how the workers'
+    batches interleave, so another one would continue in another order.
     """
     saved = 0
     if isinstance(state, dict) and set(state) == {"workers", "next"}:
@@ -115,6 +122,15 @@ def check_worker_state(
     if not workers:
         return [], 0
     assert isinstance(state, dict)
+    if saved_total not in (0, total):
+        what = f"this loader's total_batch_size ({total}) with num_workers={workers}"
+        fail_value(
+            "iter_batches",
+            "the state's global_batch_size",
+            saved_total,
+            what,
+            world_fix,
+        )
     entries: list[Entry] = state["workers"]
     for entry in entries:
         if isinstance(entry, dict) and entry["seen"] % total:
