@@ -4,7 +4,12 @@
 once per loader; ``_state.py`` the values threaded and yielded; ``_indices.py`` where
 each epoch's indices come from; ``_reading.py`` how batches are read;
 ``_stream.py`` one epoch as a stream of batches; ``_dispatch.py`` dispatch mode;
-``_placement.py`` device placement. The rules are in docs/loader.md.
+``_placement.py`` device placement. A stateful stream (``state_dict`` /
+``load_state_dict``, as a ``datasets.IterableDataset``) is read through
+``_stateful.py`` (global batches tagged with the stream's state),
+``_stream_records.py`` (its records) and, with worker processes, ``_workers.py``
+(one resumable order of their batches); ``_json.py`` checks a state is JSON. The
+rules are in docs/loader.md and docs/data.md.
 """
 
 from __future__ import annotations
