@@ -254,7 +254,25 @@ def _check(
 
 
 def _runs(ctx: DistributedContext, runs: list[Run]) -> list[dict[str, Any]]:
-    return [_train(ctx, run) for run in runs]
+    out = [_train(ctx, run) for run in runs]
+    if ctx.num_processes == 2:
+        _refuse_uneven_counts(ctx)
+    return out
+
+
+def _refuse_uneven_counts(ctx: DistributedContext) -> None:
+    """Stages passing different num_items for one batch: an error on every rank."""
+    mesh = build_mesh(ctx, pp=2)
+    torch.manual_seed(0)
+    pipe = wrap_model(ctx, Chain(), mesh=mesh, pipeline=PipelineOptions(microbatches=2))
+    assert isinstance(pipe, Pipeline)
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    x, t = _data(1)[0]
+    with pytest.raises(ValueError, match=r"num_items must be the same on every stage"):
+        pipeline_step(
+            ctx, GradState(), pipe, opt, (x, t), _summed_loss,
+            num_items=5 + ctx.process_index,
+        )  # fmt: skip
 
 
 SCHEDULES_2: Final = [

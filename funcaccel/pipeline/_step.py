@@ -163,8 +163,7 @@ def pipeline_step(
     if local is None:
         factor = 1.0 / (grad.micro_step + 1)
     else:
-        (summed,) = all_reduce_ints(ctx, [local], caller=_CALLER)
-        total = summed // (mesh.pp * mesh.tp)  # each dp coordinate counted once
+        total = _window_items(ctx, pipe, local)
         if total == 0:  # nothing to average: no update rather than 0/0
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
@@ -178,6 +177,31 @@ def pipeline_step(
     for opt in opts:
         opt.zero_grad(set_to_none=True)
     return shown, next_grad_state(grad, True, end_of_dataloader, skipped, None, norm)
+
+
+def _window_items(ctx: DistributedContext, pipe: Pipeline, local: int) -> int:
+    """Return the window's items over the data-parallel ranks, each counted once.
+
+    One all-reduce of two counts per data-parallel rank: the sum and the sum of
+    squares of what its ``pp * tp`` ranks passed. They agree (every stage and tp
+    rank passed the same count) exactly when ``pp * tp * squares == sum ** 2``.
+    """
+    mesh = pipe.mesh
+    copies = mesh.pp * mesh.tp
+    values = [0] * (2 * mesh.dp_size)
+    values[mesh.dp_rank], values[mesh.dp_size + mesh.dp_rank] = local, local * local
+    sums = all_reduce_ints(ctx, values, caller=_CALLER)
+    for d in range(mesh.dp_size):
+        if copies * sums[mesh.dp_size + d] != sums[d] * sums[d]:
+            msg = (
+                f"{_CALLER}: num_items must be the same on every stage and tensor-"
+                f"parallel rank of a data-parallel rank (they read the same batch); "
+                f"data-parallel rank {d}'s {copies} ranks passed different counts "
+                f"(window totals summing to {sums[d]}). Count the items from the "
+                "batch itself on every rank, e.g. (labels != -100).sum()."
+            )
+            raise ValueError(msg)
+    return sum(sums[: mesh.dp_size]) // copies
 
 
 def _share_loss(
