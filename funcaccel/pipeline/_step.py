@@ -37,6 +37,7 @@ from funcaccel._checks import check_type
 from funcaccel._checks import fail_value
 from funcaccel._ctx_checks import check_context
 from funcaccel._dist_types import is_dtensor
+from funcaccel._optimizers_hold import check_optimizers_hold
 from funcaccel._primitives import all_reduce_ints
 from funcaccel.context import DistributedContext
 from funcaccel.context import require_process_group
@@ -169,6 +170,9 @@ def pipeline_step(
                 opt.zero_grad(set_to_none=True)
             return shown, next_grad_state(grad, True, end_of_dataloader, True)
         factor = mesh.dp_size / total
+    # Once per window: an optimizer built on parameters FSDP2 or tensor
+    # parallelism replaced would step nothing, silently.
+    check_optimizers_hold(_CALLER, (pipe,), opts)
     rescale_grads_(opts, factor)
     norm = None
     if max_grad_norm is not None:
