@@ -9,6 +9,7 @@ The closed form: a float32 parameter of n elements sharded over s ranks is
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -153,9 +154,11 @@ def test_estimate_memory_refuses_an_existing_group_and_leaves_none() -> None:
     def broken() -> nn.Module:
         raise KeyError("no such layer")
 
+    hook = sys.excepthook
     with pytest.raises(KeyError):
         estimate_memory(broken, BATCH, optimizer_fn=_adamw, world_size=8)
     assert not dist.is_initialized()
+    assert sys.excepthook is hook  # torch's rank-prefixing hook is taken back
 
 
 @pytest.mark.parametrize(

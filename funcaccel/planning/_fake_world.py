@@ -62,6 +62,9 @@ def fake_world_ctx(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _forget_meshes()
+    # init_process_group wraps sys.excepthook to prefix "[rank<r>]:" to
+    # tracebacks, and the wrapper outlives the group: put the caller's back.
+    excepthook = sys.excepthook
     dist.init_process_group("fake", world_size=world_size, rank=rank, store=FakeStore())
     try:
         yield DistributedContext(
@@ -78,6 +81,7 @@ def fake_world_ctx(
     finally:
         end_process_group()
         _forget_meshes()
+        sys.excepthook = excepthook
 
 
 def _forget_meshes() -> None:
