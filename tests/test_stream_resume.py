@@ -31,6 +31,7 @@ from funcaccel.accumulate import GradState
 from funcaccel.accumulate import accumulate_step
 from funcaccel.checkpoint import latest_checkpoint
 from funcaccel.checkpoint import load_checkpoint
+from funcaccel.checkpoint import read_checkpoint_meta
 from funcaccel.checkpoint import save_checkpoint
 from funcaccel.collectives import broadcast_object
 from funcaccel.context import DistributedContext
@@ -454,6 +455,54 @@ def test_a_dispatched_stream_resumes_reading_no_skipped_sample() -> None:
             # Rank 0 alone reads: the rest, then the first global batch to pad.
             head = list(range(size)) if rank == 0 else []
             assert reads == (list(range(k * size, SAMPLES)) if rank == 0 else []) + head
+
+
+def _save_after(ctx: DistributedContext, files: list[str], root: Path) -> list[int]:
+    """Read 1 global batch of 4 on 2 ranks, checkpoint the loader; return the epoch's ids."""
+    reads: list[int] = []  # the same pipeline (a counting map) as the resume's
+    stream = hf_stream(files, root / f"cache{ctx.process_index}", reads.append)
+    loader = shard_loader(ctx, DataLoader(stream, batch_size=2), dispatch_batches=False)
+    records = list(iter_batches(loader))
+    save_checkpoint(ctx, root / "ws", loader=records[0].state)
+    return [i for b in _ids(records) for i in b]
+
+
+def _resume_on(
+    ctx: DistributedContext, files: list[str], root: Path, path: Path
+) -> Any:
+    """Resume the saved loader state on this world: the ids and reads, or the error."""
+    state = read_checkpoint_meta(path).loader
+    assert state is not None and state.stream_state is not None
+    reads: list[int] = []
+    stream = hf_stream(files, root / f"cache{ctx.process_index}", reads.append)
+    loader = shard_loader(ctx, DataLoader(stream, batch_size=2), dispatch_batches=False)
+    try:
+        ids = [i for b in _ids(list(iter_batches(loader, state))) for i in b]
+    except ValueError as error:
+        return str(error)
+    return ids, reads
+
+
+@pytest.mark.distributed
+def test_a_checkpointed_stream_continues_on_one_rank_and_refuses_three(
+    tmp_path: Path,
+) -> None:
+    files = write_jsonl(tmp_path / "data", SAMPLES, 3)
+    run = functools.partial(run_ranks, timeout_s=240, start_method="forkserver")
+    run(_save_after, 2, files, tmp_path)
+    path = latest_checkpoint(tmp_path / "ws")
+    assert path is not None
+    # 2 ranks x 2 = 4 samples consumed: one rank of 2 continues from sample 4,
+    # reading nothing before it; three ranks of 2 (G = 6) cannot, and say why.
+    [(ids, reads)] = run(_resume_on, 1, files, tmp_path, path)
+    assert ids == list(range(4, SAMPLES)) and reads == ids
+    errors = run(_resume_on, 3, files, tmp_path, path)
+    for error in errors:
+        assert (
+            "saved by a loader on 2 data-parallel ranks and this loader runs on 3"
+            in error
+        )
+        assert "LoaderState(epoch=1)" in error
 
 
 # --- real gloo ranks: stopped, checkpointed, resumed = unbroken, bit for bit -----
