@@ -9,12 +9,15 @@ reference that never heard of pipelines: plain SGD on the window's mean loss
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 from typing import Final
 from typing import NamedTuple
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from funcaccel import ActivationCheckpointOptions
@@ -23,10 +26,13 @@ from funcaccel import FSDPOptions
 from funcaccel import GradState
 from funcaccel import Pipeline
 from funcaccel import PipelineOptions
+from funcaccel import broadcast_object
 from funcaccel import build_mesh
 from funcaccel import gather_for_metrics
 from funcaccel import pipeline_eval
 from funcaccel import pipeline_step
+from funcaccel import save_model
+from funcaccel import wait_for_everyone
 from funcaccel import wrap_model
 from funcaccel.context import DistributedContext
 from funcaccel.model._pipeline_options import cut_units
@@ -139,10 +145,11 @@ class Run(NamedTuple):
     tp_plan: dict[str, Any] | None = None
     clip: float | None = None
     fast: tuple[Any, Any] = (None, None)  # activation checkpointing, compile
+    export: bool = False  # save_model the trained pipeline, read it back
 
 
 def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
-    sizes, options, tokens, meta, fsdp, tp_plan, clip, (ac, compiled) = run
+    sizes, options, tokens, meta, fsdp, tp_plan, clip, (ac, compiled), export = run
     mesh = build_mesh(ctx, **sizes)
     torch.manual_seed(0)
     if meta:
@@ -214,7 +221,16 @@ def _train(ctx: DistributedContext, run: Run) -> dict[str, Any]:
         for name, value in module.state_dict().items():
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
             params[name] = full.detach().clone()
+    exported = None
+    if export:  # the whole model from the stages' shards, by rank 0
+        with tempfile.TemporaryDirectory() as tmp:
+            where = Path(broadcast_object(ctx, tmp))  # rank 0's directory
+            save_model(ctx, pipe, where / "export")
+            if ctx.is_main_process:
+                exported = load_file(where / "export" / "model.safetensors")
+            wait_for_everyone(ctx)
     return {
+        "exported": exported,
         "params": params,
         "losses": losses,
         "norms": norms,
@@ -249,6 +265,11 @@ def _check(
         if r["dp_rank"] == 0:
             assert loss == pytest.approx(ref_eval, rel=1e-10)
     assert sorted(got) == sorted(expected)
+    exported = results[0]["exported"]
+    if exported is not None:  # save_model: the whole model, under its own names
+        assert sorted(exported) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(exported[name], value, rtol=0, atol=1e-10)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10, msg=name)
 
@@ -326,6 +347,7 @@ def test_pp2_with_fsdp_and_with_tp_at_4_ranks_equals_the_reference() -> None:
     runs = [
         Run({"pp": 2, "dp_shard": 2}, one, meta=True, fsdp=FSDPOptions()),
         Run({"pp": 2, "dp_shard": 2}, one, True, True, FSDPOptions(), clip=0.5),
+        Run({"pp": 2, "dp_shard": 2}, one, meta=True, fsdp=FSDPOptions(), export=True),
         Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, True, True, None, plan, 0.5),
         Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, tp_plan=plan),
         # Replication inside each stage (fsdp=None, dp_replicate=2).
