@@ -216,6 +216,17 @@ def test_a_tp_plan_naming_a_missing_module_is_wrap_models_error() -> None:
         estimate_memory(_mlp(), BATCH, optimizer_fn=_adamw, world_size=2)
 
 
+def test_pipeline_stages_are_refused_by_name() -> None:
+    from funcaccel.model import PipelineOptions
+
+    with pytest.raises(ValueError, match=r"estimate_memory: pipeline must be None"):
+        estimate_memory(
+            _mlp, BATCH, optimizer_fn=_adamw, world_size=4,
+            pipeline=PipelineOptions(microbatches=2),
+        )  # fmt: skip
+    assert not dist.is_initialized()
+
+
 def test_memory_values_check_their_fields() -> None:
     rank = RankMemory(rank=0, parameters=1, gradients=1, optimizer_state=2, peak=8)
     with pytest.raises(ValueError, match=r"MemoryEstimate: ranks must be at least one"):

@@ -199,7 +199,8 @@ def estimate_memory(
         The ``MemoryEstimate``, bytes per rank.
 
     Raises:
-        TypeError, ValueError: a bad argument, or what ``build_mesh`` or
+        TypeError, ValueError: a bad argument (``pipeline=``: stages are not
+            estimated), or what ``build_mesh`` or
             ``wrap_model`` refuse for this world (a mesh that does not divide it,
             a tp_plan naming a missing module).
         RuntimeError: a default process group already exists in this process.
@@ -207,6 +208,15 @@ def estimate_memory(
     _check_arguments(
         model_fn, world_size, optimizer_fn, accumulation_steps, margin, loss_fn
     )
+    if wrap_options.get("pipeline") is not None:
+        fail_value(
+            _CALLER,
+            "pipeline",
+            wrap_options["pipeline"],
+            "None: pipeline stages are not estimated (the stage cut gives the "
+            "stage storage with Module.to_empty, which cannot make fake tensors)",
+            "Estimate one stage's model (its layers) without pipeline=.",
+        )
     shard = (1 if fsdp is None else -1) if dp_shard is None else dp_shard
     ranks = [0]
     found: list[RankMemory] = []
