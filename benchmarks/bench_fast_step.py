@@ -25,7 +25,9 @@ random target) trains with windows of ``--k`` micro-steps. Four tables:
    reduce-scatter and HSDP's replica all-reduce), counted by a dispatch mode
    over the ``c10d`` ops; the gradient bytes a rank holds between two
    micro-steps of an open window (its sharded ``.grad`` plus FSDP2's
-   unsharded accumulation buffers and partial reductions); window time. The
+   unsharded accumulation buffers and partial reductions); the peak of all its
+   tensors during an open window's 2nd micro-step (torch's ``MemTracker``);
+   window time. The
    ``defer_all`` row runs twice (noise control).
 
     PYTHONPATH=. python benchmarks/bench_fast_step.py
@@ -396,7 +398,39 @@ def _policy_rank(
     _, times, loss = _time_windows({"": run}, args.repeats)[""]
     with _CommBytes() as counter:
         run()
-    return {"times": times, "bytes": counter.bytes, "held": max(held), "loss": loss}
+    return {
+        "times": times,
+        "bytes": counter.bytes,
+        "held": max(held),
+        "peak": _fsdp_peak(ctx, model, opt, data),
+        "loss": loss,
+    }
+
+
+def _fsdp_peak(
+    ctx: DistributedContext,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[Any],
+) -> int:
+    """This rank's peak tensor bytes during the 2nd micro-step of a window.
+
+    The window is open then (k >= 3), after a micro-step's gradients were kept;
+    torch's ``MemTracker`` follows one forward and backward (it refuses more).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    grad = GradState(accumulation_steps=len(data))
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    for i, batch in enumerate(data):
+        step = functools.partial(_loss, model, batch)
+        if i == 1:
+            with tracker:
+                _, grad = accumulate_step(ctx, grad, model, opt, step)
+        else:
+            _, grad = accumulate_step(ctx, grad, model, opt, step)
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
@@ -405,8 +439,9 @@ def _policies(args: argparse.Namespace) -> list[str]:
         f"{args.k} (bytes per rank and window)",
         "",
         "| accumulation_comm | all-gather MiB | reductions MiB | held grads MiB | "
-        "median CPU ms / window (max rank) | time / defer_all | loss |",
-        "|---|---|---|---|---|---|---|",
+        "peak MiB (rank 0) | median CPU ms / window (max rank) | time / defer_all "
+        "| loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ref = 0.0
     for name in (
@@ -424,6 +459,7 @@ def _policies(args: argparse.Namespace) -> list[str]:
         lines.append(
             f"| {label} | {r0['bytes']['all-gather'] / MiB:.3f} | "
             f"{r0['bytes']['reduction'] / MiB:.3f} | {r0['held'] / MiB:.3f} | "
+            f"{r0['peak'] / MiB:.3f} | "
             f"{med * 1e3:.3f} | {med / ref:.3f}× | {r0['loss']:.6f} |"
         )
     # The first row is the reference, the second the same policy again.
