@@ -165,3 +165,31 @@ def test_count_flops_counts_scaled_dot_product_attention_on_cpu() -> None:
     # Backward: the weight's gradient only (x is data), and five attention
     # products (scores recomputed; the gradients of p, v, q and k).
     assert count_flops(net, x) == 2 * qkv + 7 * products
+
+
+def test_count_flops_of_a_tiny_transformers_llama_is_the_closed_form() -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    h, f, layers, vocab, heads, kv_heads, b, s = 32, 64, 2, 40, 4, 2, 3, 10
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=h, intermediate_size=f,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    ids = torch.zeros((b, s), dtype=torch.long)
+    tokens, dh = b * s, h // heads
+    projections = layers * (
+        2 * _mm(tokens, h, h)  # q, o
+        + 2 * _mm(tokens, kv_heads * dh, h)  # k, v (grouped-query)
+        + 3 * _mm(tokens, f, h)  # gate, up, down
+    ) + _mm(tokens, vocab, h)  # the head
+    # scaled_dot_product_attention: q @ k^T and p @ v over all query heads.
+    attention = layers * b * heads * _mm(s, s, dh)
+    assert count_flops(model, {"input_ids": ids}, backward=False) == (
+        projections + 2 * attention
+    )
+    # Backward: two more products per projection, five attention products.
+    assert count_flops(model, {"input_ids": ids}) == 3 * projections + 7 * attention
