@@ -406,6 +406,7 @@ def test_loader_state_carries_a_stream_state_through_json() -> None:
         match=r"LoaderState: global_batches must be >= 1 when stream_state is set .*; got 0",
     ):
         LoaderState(stream_state={"at": 0}, stream_ranks=1)
+    assert len({state, _round_trip(state)}) == 1  # hashable, equal after JSON
     shared = {"at": [1]}
     copied = LoaderState(global_batches=1, stream_state=shared, stream_ranks=1)
     shared["at"].append(2)

@@ -8,6 +8,7 @@ to resume from after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 from typing import Final
 
@@ -55,7 +56,8 @@ class LoaderState:
     epoch: int = 0
     global_batches: int = 0
     global_batch_size: int = 0
-    stream_state: Any = None
+    # left out of the hash (a dict is not hashable); equality still compares it
+    stream_state: Any = field(default=None, hash=False)
     stream_ranks: int = 0
 
     def __post_init__(self) -> None:
