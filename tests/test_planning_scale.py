@@ -2,7 +2,7 @@
 
 dp_replicate 8 x dp_shard 16 x tp 8, transformers' LlamaForCausalLM with the
 Llama-2-7B shapes, AdamW: the estimate runs in a child process (a fresh memory
-high-water mark) in under a minute and 2 GiB, and its held parts equal the
+high-water mark) in under a minute of CPU time and 2 GiB, and its held parts equal the
 closed form: each decoder projection split over tp=8 and then dp_shard=16, the
 norms, embeddings and head (not in the tensor-parallel plan) over dp_shard=16.
 """
@@ -57,7 +57,7 @@ def _estimate_7b() -> dict[str, Any]:
         num_hidden_layers=LAYERS, num_attention_heads=32, num_key_value_heads=32,
     )  # fmt: skip
     ids = torch.zeros((1, 512), dtype=torch.long)
-    start = time.monotonic()
+    start, cpu = time.monotonic(), time.process_time()
     estimate = estimate_memory(
         lambda: LlamaForCausalLM(config),
         {"input_ids": ids, "labels": ids},
@@ -65,9 +65,9 @@ def _estimate_7b() -> dict[str, Any]:
         world_size=R * S * T, dp_replicate=R, dp_shard=S, tp=T,
         tp_plan=_plan(), fsdp=FSDPOptions(shard_modules=(LlamaDecoderLayer,)),
     )  # fmt: skip
-    seconds = time.monotonic() - start
+    seconds, cpu = time.monotonic() - start, time.process_time() - cpu
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"estimate": estimate.to_dict(), "seconds": seconds, "rss": rss}
+    return {"estimate": estimate.to_dict(), "seconds": seconds, "cpu": cpu, "rss": rss}
 
 
 @pytest.mark.slow
@@ -90,5 +90,7 @@ def test_a_7b_llama_at_1024_ranks_in_a_minute_matches_the_closed_form() -> None:
     assert rank["parameters"] == 4 * elements  # float32
     assert rank["gradients"] == 4 * elements
     assert rank["optimizer_state"] == 8 * elements + 4 * tensors  # AdamW + steps
-    assert found["seconds"] < 60, found["seconds"]
+    # CPU time, which the other tests running beside this one do not inflate
+    # as they do wall time (29 s wall, 435 MiB measured on the quiet machine).
+    assert found["cpu"] < 60, found
     assert found["rss"] < 2 * 2**30, found["rss"]
