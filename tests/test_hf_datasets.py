@@ -140,6 +140,21 @@ def test_a_streaming_hf_dataset_shards_as_the_torch_stream_does(
         assert set(flat) == set(range(SAMPLES))
 
 
+def test_a_stream_already_split_by_node_is_refused(tmp_path: Path) -> None:
+    from datasets.distributed import split_dataset_by_node
+
+    files = write_jsonl(tmp_path / "data", SAMPLES, SHARDS)
+    split = split_dataset_by_node(
+        hf_stream(files, tmp_path / "cache"), rank=1, world_size=2
+    )
+    for p in (1, 2):
+        with pytest.raises(
+            ValueError,
+            match=r"shard_loader: the dataset is a datasets stream already split between 2 nodes \(split_dataset_by_node, rank 1\); .* Pass the stream as it was before split_dataset_by_node\.",
+        ):
+            shard_loader(rank_ctx(p, 0), DataLoader(split, batch_size=BATCH))
+
+
 # --- real gloo ranks: each sample once per epoch through gather_for_metrics ------
 
 

@@ -148,6 +148,25 @@ def _check_types(
         fail_type(_WHERE, "slice_fn", slice_fn, "None or a callable (data, slice)")
 
 
+def _check_not_split(dataset: object) -> None:
+    """Refuse a ``datasets`` stream already split between nodes: it would be split twice.
+
+    ``split_dataset_by_node`` records its split in the stream's ``_distributed``
+    (a ``datasets`` attribute, read here because no public one says so).
+    """
+    split = getattr(dataset, "_distributed", None)
+    world = getattr(split, "world_size", None)
+    if isinstance(world, int) and world > 1:
+        rank = getattr(split, "rank", "?")
+        raise ValueError(
+            f"{_WHERE}: the dataset is a datasets stream already split between "
+            f"{world} nodes (split_dataset_by_node, rank {rank}); shard_loader "
+            "splits the stream between the ranks itself, so it would be split twice "
+            "and each rank would miss samples. Pass the stream as it was before "
+            "split_dataset_by_node."
+        )
+
+
 def _check_rng_types(rng_types: object, ctx: DistributedContext) -> tuple[RngType, ...]:
     if rng_types is None:
         return ()
@@ -296,6 +315,7 @@ def plan_setup(
     rngs = _check_rng_types(rng_types, ctx)
     _check_no_generator(dataloader)
     iterable = isinstance(dataloader.dataset, IterableDataset)
+    _check_not_split(dataloader.dataset)
     if dispatch_batches and not put_on_device:
         fail_value(_WHERE, "put_on_device", False, _DISPATCHING, _FIX_DISPATCH)
     wanted = (
