@@ -443,3 +443,56 @@ def test_pipeline_step_refuses_what_it_cannot_apply() -> None:
     with pytest.raises(TypeError, match=r"pipeline_step: pipe must be a Pipeline"):
         net: Any = Chain()  # not a Pipeline
         pipeline_step(DistributedContext(), GradState(), net, opt, batch, _mean_loss)
+
+
+class _Residual(Chain):
+    """Chain's units, but each block adds its input: not the chain a stage runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+class _Branching(Chain):
+    """A forward that depends on the data: cannot be traced, so not checkable."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = self.embed(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+class _Reordered(Chain):
+    """Every unit once, each on the previous output, but layers.1 before layers.0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for index in (1, 0, 2, 3):
+            x = self.layers[index](x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def test_wrap_model_refuses_a_pipeline_of_a_model_that_is_not_its_chain() -> None:
+    ctx = rank_ctx(2, 0)
+    mesh = build_mesh(ctx, pp=2)
+    opts = PipelineOptions(microbatches=2)
+    chain = r"wrap_model: pipeline= runs the model's units one after the other in place of _Residual.forward, but _Residual.forward also does call_function <built-in function add>"
+    with pytest.raises(ValueError, match=chain):
+        wrap_model(ctx, _Residual(), mesh=mesh, pipeline=opts)
+    with pytest.raises(
+        ValueError,
+        match=r"_Branching.forward, which could not be checked to be that chain \(torch.fx could not trace it: TraceError",
+    ):
+        wrap_model(ctx, _Branching(), mesh=mesh, pipeline=opts)
+    with pytest.raises(
+        ValueError, match=r"calls the units \['embed', 'layers.1', 'layers.0'"
+    ):
+        wrap_model(ctx, _Reordered(), mesh=mesh, pipeline=opts)
+    # The true chain passes the check and stops at the missing process group.
+    with pytest.raises(RuntimeError, match=r"wrap_model"):
+        wrap_model(ctx, Chain(), mesh=mesh, pipeline=opts)

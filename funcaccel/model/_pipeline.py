@@ -41,6 +41,7 @@ from funcaccel.model._mesh import _check_plan
 from funcaccel.model._meta import has_meta_tensors
 from funcaccel.model._meta import materialize_
 from funcaccel.model._meta import place_
+from funcaccel.model._pipeline_chain import check_chain
 from funcaccel.model._pipeline_options import PipelineOptions
 from funcaccel.model._pipeline_options import cut_units
 from funcaccel.model._pipeline_options import model_units
@@ -184,6 +185,7 @@ def _check(
         what = "no parameters or buffers of its own (only inside its units)"
         fix = "Move them into a child module (a unit of some stage)."
         fail_value(_CALLER, "the model's root", own, what, fix)
+    check_chain(_CALLER, model, model_units(model))
     require_process_group(ctx, _CALLER)
     if layout.device_mesh is None:
         msg = f"{_CALLER}: the mesh (shape {layout.shape}) has no DeviceMesh: it was built by hand or before the process group started; build it with build_mesh(ctx, ...) after build_context()."
