@@ -9,6 +9,7 @@ every schedule unscaled and applies the one factor the window needs itself
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 
@@ -18,14 +19,16 @@ from funcaccel.model import Pipeline
 
 __all__ = ["build_schedule", "check_divisible", "check_same_layout", "run_schedule"]
 
-_CLASSES: Final = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
-}
+_CLASSES: Final = MappingProxyType(
+    {
+        "gpipe": "ScheduleGPipe",
+        "1f1b": "Schedule1F1B",
+        "interleaved_1f1b": "ScheduleInterleaved1F1B",
+        "looped_bfs": "ScheduleLoopedBFS",
+        "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+        "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+    }
+)
 
 
 def build_schedule(pipe: Pipeline) -> Any:

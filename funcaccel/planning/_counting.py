@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 
@@ -20,23 +21,25 @@ from funcaccel._dist_types import is_fsdp_module
 
 __all__ = ["build_tracker", "held_bytes", "is_uneven", "peak_parts"]
 
-_PARTS: Final = {
-    "Sharded Param": "parameters (sharded)",
-    "Unsharded Param": "parameters (gathered)",
-    "Parameter": "parameters",
-    "Buffer": "buffers",
-    "Sharded Grad": "gradients (sharded)",
-    "Unsharded Grad": "gradients (unsharded)",
-    "Gradient": "gradients",
-    "OptState": "optimizer state",
-    "Optstate": "optimizer state",
-    "All Gather": "all-gather buffers",
-    "Reduce Scatter": "reduce-scatter buffers",
-    "Activation": "activations",
-    "Inputs": "inputs",
-    "Temp": "temporaries",
-    "Other": "other",
-}
+_PARTS: Final = MappingProxyType(
+    {
+        "Sharded Param": "parameters (sharded)",
+        "Unsharded Param": "parameters (gathered)",
+        "Parameter": "parameters",
+        "Buffer": "buffers",
+        "Sharded Grad": "gradients (sharded)",
+        "Unsharded Grad": "gradients (unsharded)",
+        "Gradient": "gradients",
+        "OptState": "optimizer state",
+        "Optstate": "optimizer state",
+        "All Gather": "all-gather buffers",
+        "Reduce Scatter": "reduce-scatter buffers",
+        "Activation": "activations",
+        "Inputs": "inputs",
+        "Temp": "temporaries",
+        "Other": "other",
+    }
+)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

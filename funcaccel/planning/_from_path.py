@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 
@@ -30,11 +31,13 @@ from funcaccel.planning._memory import estimate_memory
 __all__ = ["estimate_from_path", "import_object"]
 
 _CALLER: Final = "python -m funcaccel estimate"
-_OPTIMIZERS: Final = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-}
+_OPTIMIZERS: Final = MappingProxyType(
+    {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }
+)
 
 
 def import_object(path: str) -> Any:
