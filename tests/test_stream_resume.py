@@ -608,3 +608,19 @@ def test_a_streaming_run_stopped_and_resumed_ends_bit_for_bit_as_the_unbroken_ru
         epoch0 = list(range(STOP * size, SAMPLES)) + head
         assert our_reads[: len(epoch0)] == epoch0
         assert sorted(our_reads[len(epoch0) :]) == list(range(SAMPLES))
+
+
+def test_a_datasets_stream_whose_chain_cannot_be_read_is_replayed(
+    tmp_path: Path,
+) -> None:
+    # The buffer-shuffle check reads datasets' chain of example iterables; a
+    # datasets release without it must fall back to the exact replay, not load.
+    from funcaccel._stream_state import resumes_exactly
+
+    files = write_jsonl(tmp_path / "data", SAMPLES, 3)
+    plain = hf_stream(files, tmp_path / "cache")
+    assert resumes_exactly(plain)
+    assert not resumes_exactly(plain.shuffle(seed=1, buffer_size=4))
+    hidden = hf_stream(files, tmp_path / "cache")
+    del hidden._ex_iterable  # as if renamed
+    assert not resumes_exactly(hidden)
