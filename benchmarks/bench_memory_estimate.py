@@ -22,11 +22,18 @@ reports
   them; the script adds their size (one flat copy of the gradients) from the
   reducer's own bucket list, so that both sides count them.
 
+``--models mlp llama`` adds a tiny Llama (transformers ``LlamaForCausalLM`` from
+a small ``LlamaConfig``, float32, built here, nothing downloaded; batch of
+``--batch-size`` sequences of ``--seq-len`` token ids, its own loss) at FSDP2 on
+2 ranks and FSDP2 x TP 2 x 2 (the decoder layers as FSDP2 units; q, k, v, gate
+and up projections column-wise, o and down row-wise), measured the same way.
+
 The noise-control row repeats the first real run: its difference from the first
 is the run-to-run spread of the measurement. ``--png FILE`` draws the bar chart
 of estimated against measured peaks.
 
     PYTHONPATH=. python benchmarks/bench_memory_estimate.py --png docs/planning_memory.png
+    PYTHONPATH=. python benchmarks/bench_memory_estimate.py --models llama
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from funcaccel.testing import run_ranks
 
 MiB = 2**20
 LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+LLAMA_ROWS = (("fsdp", 2), ("fsdp_tp", 4))
 NOISE = "fsdp again (noise control)"
 
 
@@ -62,6 +70,53 @@ def _net(args: argparse.Namespace) -> nn.Sequential:
             for _ in range(args.blocks)
         )
     )
+
+
+def _llama(args: argparse.Namespace) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.llama_vocab,
+        hidden_size=args.llama_hidden,
+        intermediate_size=args.llama_hidden * 8 // 3,
+        num_hidden_layers=args.llama_layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq_len,
+    )  # float32: the default dtype
+    return LlamaForCausalLM(config)
+
+
+def _llama_batch(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, args.llama_vocab, (args.batch_size, args.seq_len))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _llama_plan(layers: int) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(layers):
+        at = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"{at}.{name}"] = ColwiseParallel()
+        plan[f"{at}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{at}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{at}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{at}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def _llama_options(layout: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The sizes and wrap_model options of the tiny Llama's layouts."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    fsdp = FSDPOptions(shard_modules=(LlamaDecoderLayer,))
+    if layout == "fsdp":
+        return {"fsdp": fsdp}
+    return {"fsdp": fsdp, "tp": 2, "tp_plan": _llama_plan(args.llama_layers)}
 
 
 def _plan(blocks: int) -> dict[str, Any]:
@@ -105,18 +160,25 @@ def _ddp_buckets(model: nn.Module) -> int:
     return sum(_local_bytes(b.buffer()) for b in reducer._get_zeros_like_grad_buckets())
 
 
+def _forward(model: nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
 def _reset(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         module.reset_parameters()
 
 
 def _real(
-    ctx: DistributedContext, layout: str, args: argparse.Namespace
+    ctx: DistributedContext, layout: str, args: argparse.Namespace, llama: bool
 ) -> dict[str, int]:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    options = _options(layout, ctx.num_processes, args.blocks)
+    if llama:
+        options = _llama_options(layout, args)
+    else:
+        options = _options(layout, ctx.num_processes, args.blocks)
     mesh = None
     if "tp" in options or "dp_replicate" in options or "fsdp" in options:
         mesh = build_mesh(
@@ -125,18 +187,24 @@ def _real(
             dp_shard=-1,
             tp=options.get("tp", 1),
         )
-    with torch.device("meta"):
-        net = _net(args)
+    if llama:  # built here: its rotary buffers are computed at construction
+        net: nn.Module = _llama(args)
+        batch: Any = _llama_batch(args)
+        inputs: tuple[torch.Tensor, ...] = (batch["input_ids"],)
+    else:
+        with torch.device("meta"):
+            net = _net(args)
+        batch = torch.randn(args.batch_size, args.hidden)
+        inputs = (batch,)
     model = wrap_model(
         ctx,
         net,
         fsdp=options.get("fsdp"),
         mesh=mesh,
         tp_plan=options.get("tp_plan"),
-        init_fn=_reset,
+        init_fn=None if llama else _reset,
     )
     opt = _adamw(list(model.parameters()))
-    x = torch.randn(args.batch_size, args.hidden)
     if layout == "ddp":
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -146,12 +214,12 @@ def _real(
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((x,))
+        tracker.track_inputs(inputs)
     grad = GradState(accumulation_steps=args.accumulation)
     with tracker:
         for _ in range(2 * args.accumulation):
             _, grad = accumulate_step(
-                ctx, grad, model, opt, lambda: output_loss(model(x))
+                ctx, grad, model, opt, lambda: output_loss(_forward(model, batch))
             )
             tracker.reset_mod_stats()  # one forward's module stats; the peak stays
     peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
@@ -168,11 +236,20 @@ def _real(
     return {"held": held, "peak": int(peak) + _ddp_buckets(model), "rss": rss}
 
 
-def _estimate(layout: str, world: int, args: argparse.Namespace) -> dict[str, int]:
-    options = _options(layout, world, args.blocks)
+def _estimate(
+    layout: str, world: int, args: argparse.Namespace, llama: bool
+) -> dict[str, int]:
+    if llama:
+        options = _llama_options(layout, args)
+        model_fn: Any = lambda: _llama(args)  # noqa: E731
+        batch: Any = _llama_batch(args)
+    else:
+        options = _options(layout, world, args.blocks)
+        model_fn = lambda: _net(args)  # noqa: E731
+        batch = torch.zeros(args.batch_size, args.hidden)
     estimate = estimate_memory(
-        lambda: _net(args),
-        torch.zeros(args.batch_size, args.hidden),
+        model_fn,
+        batch,
         optimizer_fn=_adamw,
         world_size=world,
         accumulation_steps=args.accumulation,
@@ -222,16 +299,33 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--png", default=None, help="write the bar chart here")
+    parser.add_argument(
+        "--models", nargs="+", choices=("mlp", "llama"), default=["mlp"]
+    )
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--llama-hidden", type=int, default=256)
+    parser.add_argument("--llama-layers", type=int, default=4)
+    parser.add_argument("--llama-vocab", type=int, default=8000)
     args = parser.parse_args()
     # glibc keeps freed blocks under its (rising) mmap threshold in the heap, so
     # RSS would show the allocator's high-water mark; a fixed threshold returns
     # every block over 128 KiB on free. Set before the ranks' fork server starts.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    params = sum(p.numel() for p in _net(args).parameters())
+    if "mlp" in args.models:
+        params = sum(p.numel() for p in _net(args).parameters())
+        print(
+            f"MLP of {args.blocks} blocks {args.hidden}->{2 * args.hidden}->"
+            f"{args.hidden}: {params / 1e6:.1f}M float32 parameters"
+        )
+    if "llama" in args.models:
+        params = sum(p.numel() for p in _llama(args).parameters())
+        print(
+            f"tiny Llama ({args.llama_layers} layers, hidden {args.llama_hidden}, "
+            f"vocabulary {args.llama_vocab}): {params / 1e6:.1f}M float32 "
+            f"parameters, sequences of {args.seq_len} tokens"
+        )
     print(
-        f"MLP of {args.blocks} blocks {args.hidden}->{2 * args.hidden}->{args.hidden}: "
-        f"{params / 1e6:.1f}M float32 parameters, AdamW, batch {args.batch_size}, "
-        f"accumulation {args.accumulation}; rank 0, MiB"
+        f"AdamW, batch {args.batch_size}, accumulation {args.accumulation}; rank 0, MiB"
     )
     print()
     print(
@@ -245,26 +339,35 @@ def main() -> None:
         "real run, torch's tracker": [],
         "real run, RSS rise": [],
     }
-    for world in args.worlds:
-        for layout in args.layouts:
-            if layout in ("hsdp", "fsdp_tp") and world != 4:
-                continue  # 2 x 2 meshes
-            est = _estimate(layout, world, args)
-            real = run_ranks(
-                _real, world, layout, args, timeout_s=600, start_method="forkserver"
-            )[0]
-            name = f"{layout}, {world} ranks"
-            print(_row(name, est, real), flush=True)
-            labels.append(name)
-            for bar, value in zip(
-                bars.values(), (est["peak"], real["peak"], real["rss"]), strict=True
-            ):
-                bar.append(value / MiB)
-            if layout == "fsdp" and world == args.worlds[0]:
-                again = run_ranks(
-                    _real, world, layout, args, timeout_s=600, start_method="forkserver"
-                )[0]
-                print(_row(f"{NOISE}, {world} ranks", est, again), flush=True)
+    runs: list[tuple[str, int, bool]] = []
+    if "mlp" in args.models:
+        runs += [
+            (layout, world, False)
+            for world in args.worlds
+            for layout in args.layouts
+            if layout in ("ddp", "fsdp") or world == 4  # 2 x 2 meshes
+        ]
+    if "llama" in args.models:
+        runs += [(layout, world, True) for layout, world in LLAMA_ROWS]
+    for layout, world, llama in runs:
+        est = _estimate(layout, world, args, llama)
+        real = run_ranks(
+            _real, world, layout, args, llama, timeout_s=600,
+            start_method="forkserver",
+        )[0]  # fmt: skip
+        name = f"{'tiny llama, ' if llama else ''}{layout}, {world} ranks"
+        print(_row(name, est, real), flush=True)
+        labels.append(name)
+        for bar, value in zip(
+            bars.values(), (est["peak"], real["peak"], real["rss"]), strict=True
+        ):
+            bar.append(value / MiB)
+        if not llama and layout == "fsdp" and world == args.worlds[0]:
+            again = run_ranks(
+                _real, world, layout, args, False, timeout_s=600,
+                start_method="forkserver",
+            )[0]  # fmt: skip
+            print(_row(f"{NOISE}, {world} ranks", est, again), flush=True)
     if args.png is not None:
         _png(args.png, labels, bars)
         print(f"\nbar chart: {args.png}")
