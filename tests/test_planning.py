@@ -256,18 +256,41 @@ def test_wrap_model_options_pass_through_activation_checkpointing() -> None:
         return nn.Sequential(*(_Residual() for _ in range(4)))
 
     fsdp = FSDPOptions(shard_modules=(_Residual,))
-    kwargs: dict[str, Any] = {"optimizer_fn": _adamw, "world_size": 4, "fsdp": fsdp}
-    plain = estimate_memory(build, torch.zeros(512, 64), **kwargs)
-    checkpointed = estimate_memory(
-        build,
-        torch.zeros(512, 64),
-        activation_checkpointing=ActivationCheckpointOptions(blocks=(_Residual,)),
-        **kwargs,
+    layouts: list[dict[str, Any]] = [
+        {"world_size": 4, "fsdp": fsdp},
+        {"world_size": 2},  # DDP: the whole model, checkpointed too
+        {"world_size": 1},
+    ]
+    for layout in layouts:
+        kwargs: dict[str, Any] = {"optimizer_fn": _adamw, **layout}
+        plain = estimate_memory(build, torch.zeros(512, 64), **kwargs)
+        checkpointed = estimate_memory(
+            build,
+            torch.zeros(512, 64),
+            activation_checkpointing=ActivationCheckpointOptions(blocks=(_Residual,)),
+            **kwargs,
+        )
+        # Each block keeps only its input (512 x 64 floats) instead of its inner
+        # activations (a 512 x 256 product and its ReLU among them).
+        saved = dict(plain.ranks[0].peak_parts)["activations"]
+        kept = dict(checkpointed.ranks[0].peak_parts)["activations"]
+        assert kept < saved / 4, layout
+        assert checkpointed.peak < plain.peak
+        assert _held(checkpointed) == _held(plain)
+
+
+def test_estimate_memory_of_one_process_counts_the_whole_model_and_adam() -> None:
+    # World 1: no wrapping; the whole model, its gradients and AdamW's two
+    # moments are held (the model cannot be built on meta there and swapped).
+    estimate = estimate_memory(_mlp, BATCH, world_size=1, optimizer_fn=_adamw)
+    (rank,) = estimate.ranks
+    tensors = list(_mlp().parameters())
+    params = sum(p.numel() * p.element_size() for p in tensors)
+    assert estimate.strategy == "none"
+    # AdamW: two moments per parameter and a float32 step count per tensor.
+    assert (rank.parameters, rank.gradients, rank.optimizer_state) == (
+        params,
+        params,
+        2 * params + 4 * len(tensors),
     )
-    # Each block keeps only its input (512 x 64 floats) instead of its inner
-    # activations (a 512 x 256 product and its ReLU among them).
-    saved = dict(plain.ranks[0].peak_parts)["activations"]
-    kept = dict(checkpointed.ranks[0].peak_parts)["activations"]
-    assert kept < saved / 4
-    assert checkpointed.peak < plain.peak
-    assert _held(checkpointed) == _held(plain)
+    assert rank.peak > 4 * params

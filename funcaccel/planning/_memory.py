@@ -40,6 +40,7 @@ from funcaccel.grad_state import GradState
 from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
+from funcaccel.model import apply_activation_checkpointing
 from funcaccel.model import wrap_model
 from funcaccel.planning._counting import build_tracker
 from funcaccel.planning._counting import held_bytes
@@ -284,17 +285,24 @@ def _estimate_rank(
         strategy = plan_strategy(world_size, *shape, fsdp)
         mode = fake_tensor_mode()
         with mode:
-            # DDP's whole model is built fake (Module.to_empty cannot swap a
-            # meta parameter for a fake one); wrap_model materialises the rest.
-            with torch.device(ctx.device if strategy == "ddp" else "meta"):
+            # DDP's and one process's whole model is built fake (Module.to_empty
+            # cannot swap a meta parameter for a fake one); wrap_model
+            # materialises this rank's shards of the rest.
+            whole = strategy in ("ddp", "none")
+            with torch.device(ctx.device if whole else "meta"):
                 model = model_fn()
             if not isinstance(model, nn.Module):
                 fail_type(_CALLER, "model_fn()", model, "an nn.Module")
             step_ctx = ctx
-            if strategy == "ddp":
+            if whole:
                 # Each DDP rank holds the whole model; its step is one process's.
+                # wrap_model would only move it (fake tensors cannot be moved in
+                # place) and checkpoint its blocks, which is done here.
                 step_ctx = DistributedContext(mixed_precision=mixed_precision)
                 wrapped = model
+                checkpointing = wrap_options.get("activation_checkpointing")
+                if checkpointing is not None:
+                    apply_activation_checkpointing(wrapped, checkpointing)
             else:
                 options = {"init_fn": _no_init, **wrap_options}
                 wrapped = wrap_model(
