@@ -28,6 +28,7 @@ from funcaccel.model import ActivationCheckpointOptions
 from funcaccel.model import CompileOptions
 from funcaccel.model import CompileReport
 from funcaccel.model import DeepSpeedOptions
+from funcaccel.model import apply_activation_checkpointing
 from funcaccel.model import compile_blocks
 from funcaccel.model import compile_report
 from funcaccel.model import wrap_model
@@ -298,3 +299,34 @@ def test_checkpointed_and_compiled_blocks_give_eager_gradients(
     # different code, one graph more.
     assert report.graphs == (2 if mode == "full" else 3)
     assert report.graph_breaks == 0
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def test_compile_blocks_refuses_a_block_running_torchs_own_forward() -> None:
+    # torch.compile skips a frame of torch.nn's own forward when a module is
+    # compiled in place: an nn.Sequential block would run uncompiled.
+    net = _Outer()
+    with pytest.raises(
+        ValueError,
+        match=r"compile_blocks: block 'inner' \(Sequential\) runs torch's own forward",
+    ):
+        compile_blocks(net, CompileOptions(blocks=(nn.Sequential,), backend="eager"))
+    with pytest.raises(ValueError, match=r"block the model itself \(Sequential\)"):
+        compile_blocks(net.inner, CompileOptions(backend="eager"))
+    assert compile_blocks(net, CompileOptions(backend="eager")) == [""]  # _Outer's
+    # Checkpointed first, the block's forward is funcaccel's, and it compiles.
+    torch._dynamo.reset()
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    apply_activation_checkpointing(inner, ActivationCheckpointOptions())
+    assert compile_blocks(inner, CompileOptions(backend="eager")) == [""]
+    inner(torch.ones(3, 2, requires_grad=True)).sum().backward()
+    assert compile_report(inner).graphs >= 1

@@ -116,6 +116,8 @@ def compile_blocks(model: nn.Module, options: CompileOptions) -> list[str]:
         )
         raise ValueError(msg)
     chosen = list(select_blocks(_CALLER, model, options.blocks))
+    for name, module in chosen:
+        _refuse_torch_forward(name, module)
     log = _backend(options)
     for _, module in chosen:
         module.compile(
@@ -123,3 +125,28 @@ def compile_blocks(model: nn.Module, options: CompileOptions) -> list[str]:
         )
         object.__setattr__(module, GRAPH_LOG_ATTRIBUTE, log)
     return [name for name, _ in chosen]
+
+
+def _refuse_torch_forward(name: str, module: nn.Module) -> None:
+    """Refuse a block whose ``forward`` is torch.nn's own (``nn.Sequential``'s).
+
+    Compiled in place, such a block's frame is one dynamo skips (torch's own
+    modules are on its skip list): ``fullgraph=True`` then fails at the first
+    call with "found no compiled frames", and ``fullgraph=False`` runs it
+    uncompiled, silently.
+    """
+    forward = module.forward
+    where = str(getattr(getattr(forward, "__func__", forward), "__module__", ""))
+    if where.split(".")[0] != "torch":
+        return
+    label = repr(name) if name else "the model itself"
+    kind = type(module).__name__
+    msg = (
+        f"{_CALLER}: block {label} ({kind}) runs torch's own forward "
+        f"({where}), which torch.compile skips when a module is compiled in "
+        "place, so it would run uncompiled; choose blocks whose class defines "
+        "its own forward (for example a subclass with a forward method), or "
+        "checkpoint the block first (apply_activation_checkpointing), whose "
+        "forward is compiled instead."
+    )
+    raise ValueError(msg)
