@@ -6,7 +6,7 @@
 writes a PNG of the metrics a ``JSONLTracker`` / ``CSVTracker`` logged in
 ``RUN_DIR`` (``plot_metrics``) and prints its path. ``python -m funcaccel estimate
 MODULE:NAME --world-size N [--dp-replicate R --dp-shard S --tp T --fsdp ...]
-[--json]`` prints ``estimate_memory``'s table (or JSON) for that model.
+[--device cuda] [--json]`` prints ``estimate_memory``'s table (or JSON) for that model.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def _add_estimate(commands: Any) -> None:
         "--mixed-precision", default="no", choices=("no", "bf16", "fp16")
     )
     estimate.add_argument("--margin", type=float, default=0.1)
+    estimate.add_argument(
+        "--device", default=None, choices=("cpu", "cuda"),
+        help="the device kind sizes are for (cuda: 512-byte blocks); "
+        "default cuda when this machine has a GPU, else cpu",
+    )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -99,6 +104,7 @@ def _estimate(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             mixed_precision=args.mixed_precision,
             margin=args.margin,
+            device=args.device,
         )
     except (ImportError, AttributeError, TypeError, ValueError) as error:
         prefix, text = "python -m funcaccel estimate", str(error)

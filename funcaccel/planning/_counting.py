@@ -3,13 +3,18 @@
 ``held_bytes`` counts a rank's parameters, gradients and optimizer state tensor by
 tensor (a ``DTensor`` by its local shard, a tied parameter once);
 ``build_tracker`` picks torch's memory tracker for the wrapped model and
-``peak_parts`` names the parts of its peak snapshot.
+``peak_parts`` names the parts of its peak snapshot. For ``device="cuda"``
+each tensor's (each storage's) bytes are rounded up to CUDA's caching
+allocator's 512-byte blocks: ``device_bytes`` for the held tensors,
+``device_rounding`` for the tracker's storages during the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 from typing import Final
@@ -19,7 +24,21 @@ from torch import nn
 
 from funcaccel._dist_types import is_fsdp_module
 
-__all__ = ["build_tracker", "held_bytes", "is_uneven", "peak_parts"]
+__all__ = [
+    "DEVICE_KINDS",
+    "build_tracker",
+    "device_bytes",
+    "device_rounding",
+    "held_bytes",
+    "is_uneven",
+    "peak_parts",
+]
+
+DEVICE_KINDS: Final = ("cpu", "cuda")
+"""The device kinds sizes are counted for."""
+
+CUDA_BLOCK: Final = 512
+"""CUDA's caching allocator hands out multiples of 512 bytes."""
 
 _PARTS: Final = MappingProxyType(
     {
@@ -47,29 +66,65 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return local() if callable(local) else tensor
 
 
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+def device_bytes(nbytes: int, device: str) -> int:
+    """One tensor's ``nbytes`` as ``device`` allocates them.
+
+    >>> device_bytes(4, "cpu"), device_bytes(4, "cuda"), device_bytes(512, "cuda")
+    (4, 512, 512)
+    """
+    if device == "cuda":
+        return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return nbytes
+
+
+@contextlib.contextmanager
+def device_rounding(device: str) -> Iterator[None]:
+    """Within: torch's memory trackers count each storage as ``device`` allocates it.
+
+    The trackers round a storage only when it lives on a CUDA device; the fake
+    tensors live on the CPU, so for ``"cuda"`` their per-storage count is
+    replaced (and restored on exit) by one that rounds up to 512 bytes.
+    """
+    if device != "cuda":
+        yield
+        return
+    from torch.distributed._tools.mem_tracker import _WeakRefInfo
+
+    original = _WeakRefInfo._calculate_mem_consumed
+
+    def rounded(info: _WeakRefInfo) -> int:
+        return device_bytes(int(info.size * info.element_size), "cuda")
+
+    _WeakRefInfo._calculate_mem_consumed = rounded  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        _WeakRefInfo._calculate_mem_consumed = original  # type: ignore[method-assign]
+
+
+def _nbytes(tensors: Iterable[torch.Tensor], device: str) -> int:
     """The local bytes of ``tensors``, each (tied parameters: one object) once."""
     unique = {id(tensor): tensor for tensor in tensors}
     return sum(
-        _local(tensor).numel() * _local(tensor).element_size()
+        device_bytes(_local(tensor).numel() * _local(tensor).element_size(), device)
         for tensor in unique.values()
     )
 
 
 def held_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: str = "cpu"
 ) -> tuple[int, int, int]:
     """This rank's parameters, their gradients (one per trainable parameter) and
-    the optimizer's state tensors, in bytes."""
+    the optimizer's state tensors, in bytes as ``device`` allocates them."""
     params = list(model.parameters())  # tied parameters once
-    grads = _nbytes(p for p in params if p.requires_grad)
+    grads = _nbytes((p for p in params if p.requires_grad), device)
     state = [
         value
         for per_param in optimizer.state.values()
         for value in per_param.values()
         if isinstance(value, torch.Tensor)
     ]
-    return _nbytes(params), grads, _nbytes(state)
+    return _nbytes(params, device), grads, _nbytes(state, device)
 
 
 def is_uneven(model: nn.Module) -> bool:

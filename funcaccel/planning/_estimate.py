@@ -91,6 +91,8 @@ class MemoryEstimate:
         ranks: the ranks estimated (rank 0, and the last rank when it differs).
         margin: the fraction added to the peak for what is not counted.
         not_counted: what the estimate leaves out (``NOT_COUNTED``).
+        device: the device kind the sizes are for: ``"cpu"`` (each tensor's
+            bytes) or ``"cuda"`` (each rounded up to 512 bytes).
     """
 
     world_size: int
@@ -99,6 +101,7 @@ class MemoryEstimate:
     ranks: tuple[RankMemory, ...]
     margin: float = 0.1
     not_counted: tuple[str, ...] = NOT_COUNTED
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         owner = "MemoryEstimate"
@@ -111,6 +114,8 @@ class MemoryEstimate:
         check_type(owner, "margin", self.margin, (int, float))
         if not (math.isfinite(self.margin) and self.margin >= 0):
             fail_value(owner, "margin", self.margin, "a finite number >= 0")
+        if self.device not in ("cpu", "cuda"):
+            fail_value(owner, "device", self.device, "'cpu' or 'cuda'")
 
     @property
     def peak(self) -> int:
@@ -136,6 +141,7 @@ class MemoryEstimate:
                 zip(("dp_replicate", "dp_shard", "tp"), self.mesh, strict=True)
             ),
             "strategy": self.strategy,
+            "device": self.device,
             "margin": self.margin,
             "peak_bytes": self.peak,
             "peak_with_margin_bytes": self.peak_with_margin,
@@ -176,7 +182,8 @@ class MemoryEstimate:
         shape = " x ".join(str(n) for n in self.mesh)
         lines = [
             f"{self.strategy} on {self.world_size} ranks "
-            f"(dp_replicate x dp_shard x tp = {shape}), {unit} per rank",
+            f"(dp_replicate x dp_shard x tp = {shape}), {unit} per rank, "
+            f"{self.device} sizes",
             "",
             "| | " + " | ".join(heads) + " |",
             "|---|" + "---:|" * len(heads),

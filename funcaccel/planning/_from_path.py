@@ -139,6 +139,7 @@ def estimate_from_path(
     optimizer: str = "adamw",
     mixed_precision: str = "no",
     margin: float = 0.1,
+    device: str | None = None,
 ) -> MemoryEstimate:
     """Estimate the model ``path`` names (see the module's docstring).
 
@@ -181,4 +182,5 @@ def estimate_from_path(
         accumulation_steps=accumulation_steps,
         mixed_precision=mixed_precision,  # type: ignore[arg-type]
         margin=margin,
+        device=device,
     )

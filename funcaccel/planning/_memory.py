@@ -42,7 +42,9 @@ from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
 from funcaccel.model import apply_activation_checkpointing
 from funcaccel.model import wrap_model
+from funcaccel.planning._counting import DEVICE_KINDS
 from funcaccel.planning._counting import build_tracker
+from funcaccel.planning._counting import device_rounding
 from funcaccel.planning._counting import held_bytes
 from funcaccel.planning._counting import is_uneven
 from funcaccel.planning._counting import peak_parts
@@ -155,6 +157,7 @@ def estimate_memory(
     mixed_precision: MixedPrecision = "no",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     margin: float = 0.1,
+    device: str | None = None,
     **wrap_options: Any,
 ) -> MemoryEstimate:
     """Estimate each rank's memory for a training step at ``world_size``, in this process.
@@ -194,6 +197,10 @@ def estimate_memory(
             attribute, else the sum of its floating-point tensors.
         margin: the fraction added in ``peak_with_margin`` for what is not
             counted (``MemoryEstimate.not_counted``).
+        device: the device kind the run will use, ``"cpu"`` or ``"cuda"``
+            (each tensor's bytes rounded up to CUDA's 512-byte allocator
+            blocks); ``None`` is ``"cuda"`` when this process sees a GPU, else
+            ``"cpu"``, as ``build_context`` picks.
         wrap_options: more keyword arguments of ``wrap_model``.
 
     Returns:
@@ -218,6 +225,7 @@ def estimate_memory(
             "stage storage with Module.to_empty, which cannot make fake tensors)",
             "Estimate one stage's model (its layers) without pipeline=.",
         )
+    kind = _device_kind(device)
     shard = (1 if fsdp is None else -1) if dp_shard is None else dp_shard
     ranks = [0]
     found: list[RankMemory] = []
@@ -239,6 +247,7 @@ def estimate_memory(
             mixed_precision=mixed_precision,
             loss_fn=loss_fn,
             wrap_options=wrap_options,
+            device=kind,
         )
         found.append(memory)
         mesh_shape = shape
@@ -250,7 +259,23 @@ def estimate_memory(
         strategy=strategy,
         ranks=tuple(found),
         margin=margin,
+        device=kind,
     )
+
+
+def _device_kind(device: object) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in DEVICE_KINDS:
+        fail_value(
+            _CALLER,
+            "device",
+            device,
+            f"one of {DEVICE_KINDS} or None",
+            "Pass the kind the run will use, e.g. device='cuda'.",
+        )
+    assert isinstance(device, str)
+    return device
 
 
 def _estimate_rank(
@@ -268,6 +293,7 @@ def _estimate_rank(
     mixed_precision: MixedPrecision,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     wrap_options: Mapping[str, Any],
+    device: str,
 ) -> tuple[RankMemory, tuple[int, int, int], str, bool]:
     dp_replicate, dp_shard, tp = sizes
     with fake_world_ctx(
@@ -316,23 +342,24 @@ def _estimate_rank(
                 )
             optimizer = optimizer_fn(list(wrapped.parameters()))
             fake = _fake_batch(mode, batch)
-            tracker = build_tracker(wrapped, optimizer, fake)
-            compute_loss = loss_fn or output_loss
-            with tracker:
-                grad = GradState(accumulation_steps=accumulation_steps)
-                for _ in range(_STEPS * accumulation_steps):
-                    _, grad = accumulate_step(
-                        step_ctx,
-                        grad,
-                        wrapped,
-                        optimizer,
-                        lambda: compute_loss(_call(wrapped, fake)),
-                    )
-                    # The trackers keep one forward's per-module stats (and
-                    # refuse a second); the peak survives the reset.
-                    tracker.reset_mod_stats()
+            with device_rounding(device):  # the tracker counts storages from here
+                tracker = build_tracker(wrapped, optimizer, fake)
+                compute_loss = loss_fn or output_loss
+                with tracker:
+                    grad = GradState(accumulation_steps=accumulation_steps)
+                    for _ in range(_STEPS * accumulation_steps):
+                        _, grad = accumulate_step(
+                            step_ctx,
+                            grad,
+                            wrapped,
+                            optimizer,
+                            lambda: compute_loss(_call(wrapped, fake)),
+                        )
+                        # The trackers keep one forward's per-module stats (and
+                        # refuse a second); the peak survives the reset.
+                        tracker.reset_mod_stats()
             parts = peak_parts(tracker)
-            parameters, gradients, state = held_bytes(wrapped, optimizer)
+            parameters, gradients, state = held_bytes(wrapped, optimizer, device)
             uneven = is_uneven(wrapped)
         if strategy == "ddp":
             kwargs = ddp_kwargs or DistributedDataParallelKwargs()
