@@ -11,9 +11,19 @@ reads it.
 
 >>> import torch
 >>> from torch import nn
->>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
->>> compile_blocks(net, CompileOptions(blocks=[nn.Linear], backend="eager"))
-['0']
+>>> class Block(nn.Module):
+...     def __init__(self) -> None:
+...         super().__init__()
+...         self.linear = nn.Linear(2, 2)
+...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+...         return torch.tanh(self.linear(x))
+>>> net = nn.Sequential(Block(), Block())
+>>> compile_blocks(net, CompileOptions(blocks=[Block], backend="eager"))
+['0', '1']
+>>> compile_blocks(nn.Sequential(nn.Linear(2, 2)), CompileOptions(blocks=[nn.Linear]))
+Traceback (most recent call last):
+...
+ValueError: compile_blocks: block '0' (Linear) runs torch's own forward ...
 """
 
 from __future__ import annotations
