@@ -33,6 +33,7 @@ from funcaccel.sharding import shard_batch_sampler
 
 __all__ = [
     "END",
+    "dispatched_rows",
     "epoch_length",
     "epoch_samples",
     "length",
@@ -333,6 +334,27 @@ def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
             pad_source = head.copy  # the skipped first batches themselves
         elif skip:
             pad_source = _refetch(setup, head)
+    total = setup.total_batch_size
+    for index, data, is_last, remainder in dispatched_rows(
+        setup, base, pad_source, skip
+    ):
+        yield make_batch(data, index, is_last, remainder, epoch, total)
+
+
+def dispatched_rows(
+    setup: Setup,
+    base: Iterator[Any] | None,
+    pad_source: Callable[[], list[Any]] | None,
+    skip: int,
+) -> Iterator[tuple[int, Any, bool, int]]:
+    """Run ``dispatch_epoch`` for ``setup`` from global batch ``skip`` on.
+
+    ``base`` and ``pad_source`` are rank 0's (``None`` elsewhere). Yields each
+    batch's index, this rank's share on ``ctx.device``, whether it is the last,
+    and its remainder (the last batch's real rows, else -1).
+    """
+    ctx, view = setup.ctx, setup.view
+    group = 1 if setup.split_batches else view.num_processes
     for offset, (data, is_last, rows) in enumerate(
         dispatch_epoch(
             ctx,
@@ -347,9 +369,7 @@ def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
         )
     ):
         data = send_tree(data, ctx.device, setup.non_blocking)
-        remainder = rows if is_last else -1
-        total = setup.total_batch_size
-        yield make_batch(data, skip + offset, is_last, remainder, epoch, total)
+        yield skip + offset, data, is_last, rows if is_last else -1
 
 
 def _refetch(setup: Setup, head: list[Any]) -> Callable[[], list[Any]]:

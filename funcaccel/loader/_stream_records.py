@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from funcaccel.loader._dispatch import dispatch_epoch
 from funcaccel.loader._placement import send_tree
 from funcaccel.loader._setup import Setup
 from funcaccel.loader._state import Batch
@@ -24,6 +23,7 @@ from funcaccel.loader._stateful import Resume
 from funcaccel.loader._stateful import StatefulStream
 from funcaccel.loader._stateful import StreamTag
 from funcaccel.loader._stream import END
+from funcaccel.loader._stream import dispatched_rows
 from funcaccel.loader._stream import epoch_samples
 from funcaccel.loader._stream import open_epoch
 from funcaccel.loader._stream import plain_records
@@ -127,7 +127,7 @@ def _dispatched_stream_records(
     the state after every ``group``-th one (a whole global batch) goes with that
     global batch's record. Other ranks run ``plain_records``: the same collectives.
     """
-    ctx, view, inner, total = setup.ctx, setup.view, setup.inner, setup.total_batch_size
+    view, inner, total = setup.view, setup.inner, setup.total_batch_size
     assert inner is not None and total is not None
     stream: Any = inner.dataset
     assert isinstance(stream, StatefulStream)
@@ -152,25 +152,12 @@ def _dispatched_stream_records(
         skip_exactly(setup, itertools.chain(head, base), skip * group, epoch, group)
         states.clear()
         pad_source = head.copy
-    for offset, (data, is_last, rows) in enumerate(
-        dispatch_epoch(
-            ctx,
-            base_batches=base,
-            pad_source=pad_source,
-            group=group,
-            drop_last=setup.drop_last,
-            first_index=skip,
-            slice_fn=setup.slice_fn,
-            shares=view.num_processes,
-            share=view.process_index,
-        )
+    ranks = view.num_processes
+    for index, data, is_last, remainder in dispatched_rows(
+        setup, base, pad_source, skip
     ):
-        data = send_tree(data, ctx.device, setup.non_blocking)
         state = states.popleft() if states else None
         position = None if state is None else {"source": state}
-        remainder = rows if is_last else -1
-        ranks = view.num_processes
-        index = skip + offset
         yield make_batch(data, index, is_last, remainder, epoch, total, position, ranks)
 
 
