@@ -45,7 +45,13 @@ from funcaccel.model._rebind import as_optimizers
 from funcaccel.model._rebind import rebind_by_name_
 from funcaccel.model._wrappers import check_unwrapped
 
-__all__ = ["check_mesh_setup", "check_mesh_wrapping", "mesh_", "wrap_mesh"]
+__all__ = [
+    "check_mesh_setup",
+    "check_mesh_wrapping",
+    "mesh_",
+    "shard_over_dp",
+    "wrap_mesh",
+]
 
 _PLAN_EXAMPLE: Final = (
     "Pass e.g. tp_plan={'up': ColwiseParallel(), 'down': RowwiseParallel()}."
@@ -223,11 +229,25 @@ def _parallelize(
         return model
     if fsdp is None and mesh.tp == 1:
         return None  # dp_shard == 1: DDP over the whole world
+    return shard_over_dp(ctx, model, mesh, device_mesh, fsdp)
+
+
+def shard_over_dp(
+    ctx: DistributedContext,
+    model: nn.Module,
+    mesh: ParallelMesh,
+    device_mesh: Any,
+    fsdp: FSDPOptions | None,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 / HSDP over ``mesh``'s data-parallel dims.
+
+    ``fsdp=None`` replicates it instead (dp_shard is 1 then): shards of one rank,
+    nothing freed after forward, gradients all-reduced over ``dp_replicate``.
+    """
     if mesh.dp_replicate > 1:
         dp_mesh = device_mesh["dp_replicate", "dp_shard"]
     else:
         dp_mesh = device_mesh["dp_shard"]
-    # Replication of a tensor-parallel model: shards of one rank, nothing to free.
     options = FSDPOptions(reshard_after_forward=False) if fsdp is None else fsdp
     return shard_model(ctx, model, options, device_mesh=dp_mesh)
 

@@ -36,8 +36,8 @@ from funcaccel.model._compile_options import ActivationCheckpointOptions
 from funcaccel.model._compile_options import CompileOptions
 from funcaccel.model._fsdp import FSDPOptions
 from funcaccel.model._fsdp import check_fsdp_options
-from funcaccel.model._fsdp import shard_model
 from funcaccel.model._mesh import _check_plan
+from funcaccel.model._mesh import shard_over_dp
 from funcaccel.model._meta import has_meta_tensors
 from funcaccel.model._meta import materialize_
 from funcaccel.model._meta import place_
@@ -246,13 +246,7 @@ def _wrap_stage(
     _fast_stage_(module, fast)
     if mesh.dp_size == 1:
         return module
-    if mesh.dp_replicate > 1:
-        dp_mesh = device_mesh["dp_replicate", "dp_shard"]
-    else:
-        dp_mesh = device_mesh["dp_shard"]
-    # Replication (fsdp=None): shards of one rank over dp_shard=1, nothing freed.
-    options = FSDPOptions(reshard_after_forward=False) if fsdp is None else fsdp
-    return shard_model(ctx, module, options, device_mesh=dp_mesh)
+    return shard_over_dp(ctx, module, mesh, device_mesh, fsdp)
 
 
 def build_pipeline(
