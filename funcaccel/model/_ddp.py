@@ -94,8 +94,12 @@ def _check_hook_device(
 
 
 def _build_ddp(
-    ctx: DistributedContext, model: nn.Module, kwargs: DistributedDataParallelKwargs
+    ctx: DistributedContext,
+    model: nn.Module,
+    kwargs: DistributedDataParallelKwargs,
+    caller: str,
 ) -> DistributedDataParallel:
+    _refuse_fake(caller, model)
     device_kwargs: dict[str, Any] = {}
     if ctx.device.type == "cuda":
         device_kwargs = {
@@ -105,6 +109,23 @@ def _build_ddp(
     ddp = DistributedDataParallel(model, **kwargs.to_kwargs(), **device_kwargs)
     _register_comm_hook(ddp, kwargs)
     return ddp
+
+
+def _refuse_fake(caller: str, model: nn.Module) -> None:
+    """Refuse fake parameters (a dry run's), which DDP's C++ reducer cannot hold."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(is_fake(p) for p in model.parameters()):
+        msg = (
+            f"{caller}: DistributedDataParallel cannot wrap a model whose "
+            "parameters are fake tensors (got one built under a fake-tensor mode, "
+            "as in dry_run(..., tensors='fake')): its C++ reducer reads every "
+            "parameter and allocates gradient buckets of their size. Dry-run a DDP "
+            "model with tensors='real' and a small configuration of it (each DDP "
+            "rank holds the whole model, so estimate_memory gives its memory), or "
+            "shard it with fsdp=FSDPOptions() or a mesh."
+        )
+        raise ValueError(msg)
 
 
 def _register_comm_hook(
@@ -151,7 +172,11 @@ def refuse_meta(caller: str, model: nn.Module) -> None:
 
 
 def ddp_(
-    ctx: DistributedContext, kwargs: DistributedDataParallelKwargs, model: nn.Module
+    ctx: DistributedContext,
+    kwargs: DistributedDataParallelKwargs,
+    model: nn.Module,
+    *,
+    caller: str = "wrap_model",
 ) -> nn.Module:
     """Wrap ``model`` in DDP when there is something to synchronise (see ``wrap_ddp``).
 
@@ -159,7 +184,7 @@ def ddp_(
     """
     if ctx.num_processes == 1 or not any(p.requires_grad for p in model.parameters()):
         return model
-    return _build_ddp(ctx, model, kwargs)
+    return _build_ddp(ctx, model, kwargs, caller)
 
 
 def wrap_ddp(
@@ -192,7 +217,7 @@ def wrap_ddp(
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: ``model`` already wrapped or on ``meta``; a bfloat16 hook on
+        ValueError: ``model`` already wrapped, on ``meta`` or fake; a bfloat16 hook on
             a backend that cannot all-reduce bfloat16 (CPU/gloo).
         RuntimeError: several processes without a matching default group.
 
@@ -208,4 +233,4 @@ def wrap_ddp(
     check_ddp(caller, ctx, kwargs)
     refuse_meta(caller, model)
     model.to(ctx.device)
-    return ddp_(ctx, kwargs, model)
+    return ddp_(ctx, kwargs, model, caller=caller)
