@@ -8,19 +8,27 @@ that lets plain CPU tensors compute for real: a ``DeviceMesh`` keeps its rank
 layout in small integer tensors and reads them back (``nonzero``, ``tolist``),
 which fake tensors cannot answer; every tensor born in the mode (parameters,
 activations, optimizer state) is still fake, with no storage.
-``recording_mode(calls)`` lists the collectives a dry run makes.
+``fake_tensor_mode(user_code=True)``, the dry run's, also lets ``Module.to``
+move fake parameters and answers reads of fake values with placeholders
+(``PLACEHOLDERS``); ``host_objects_ctx()`` pickles the objects of object
+collectives on real bytes. ``recording_mode(calls)`` lists the collectives a
+dry run makes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from types import MappingProxyType
 from typing import Any
 from typing import Final
 
@@ -32,7 +40,24 @@ from funcaccel._typing import MixedPrecision
 from funcaccel.context import DistributedContext
 from funcaccel.context import DistributedType
 
-__all__ = ["fake_tensor_mode", "fake_world_ctx", "recording_mode"]
+__all__ = [
+    "INDEX_LIMIT",
+    "PLACEHOLDERS",
+    "fake_tensor_mode",
+    "fake_world_ctx",
+    "host_objects_ctx",
+    "recording_mode",
+]
+
+# The most elements an integer tensor made from no tensor may have and be real
+# under fake_tensor_mode(user_code=True) (128 MiB of int64).
+INDEX_LIMIT: Final = 1 << 24
+# What a read of a fake tensor's value (.item(), float(t), bool(t), int(t))
+# returns under fake_tensor_mode(user_code=True), by kind of dtype: the values of a
+# healthy step (no overflow found, no NaN, a micro-batch with items in it).
+PLACEHOLDERS: Final[Mapping[str, bool | float | int]] = MappingProxyType(
+    {"bool": False, "floating": 0.0, "integer": 1}
+)
 
 
 @contextmanager
@@ -104,8 +129,25 @@ def _forget_meshes() -> None:
         clear_native()
 
 
-def fake_tensor_mode() -> Any:
-    """Return a ``FakeTensorMode`` in which plain CPU tensors still compute."""
+def fake_tensor_mode(*, user_code: bool = False) -> Any:
+    """Return a ``FakeTensorMode`` in which plain CPU tensors still compute.
+
+    With ``user_code`` (the dry run, which runs the user's own function) two
+    more things work on fake tensors. ``Module.to`` (``.float()``, ``.cuda()``
+    ...): torch's ``Module._apply`` swaps each fake parameter with
+    ``torch.utils.swap_tensors``, which refuses a tensor that has a weak
+    reference, and the mode's converter keeps one, in its memo, to every
+    ``detach()`` output, so to every ``nn.Parameter``; here a ``detach()``
+    output is dropped from the memo (it is fresh: nothing looks it up again).
+    A read of a fake value (``aten._local_scalar_dense``: ``.item()``,
+    ``float(t)``, ``bool(t)``, ``.tolist()``) that torch's mode does not know
+    (it knows the small constants it tracks, such as an optimizer's step
+    count) returns ``PLACEHOLDERS``' value for the dtype instead of raising.
+    An integer (or bool) tensor of at most ``INDEX_LIMIT`` elements made from
+    no tensor (``torch.arange``, ``torch.randperm``, ``torch.randint``,
+    ``torch.tensor([...])``) is real, so that a sampler's indices and token ids
+    are real values and are read as such.
+    """
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -135,9 +177,82 @@ def fake_tensor_mode() -> Any:
                 # Only real tensors in: the mesh's bookkeeping, computed for real.
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if user_code and (func in lifts or not tensors):
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                if not _is_index(out):
+                    return out
+                # An integer tensor made from nothing (a sampler's permutation,
+                # positions, token ids): real, so indices index for real.
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            if user_code and func is aten._local_scalar_dense.default:
+                read = tensors[0]
+                if isinstance(read, FakeTensor) and read.constant is None:
+                    return _placeholder(read.dtype)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if user_code and func is aten.detach.default:
+                _forget(self, out)
+            return out
 
     return _MeshSafeFakeMode(allow_non_fake_inputs=True)
+
+
+def _is_index(out: object) -> bool:
+    return (
+        isinstance(out, torch.Tensor)
+        and not out.is_floating_point()
+        and not out.is_complex()
+        and out.numel() <= INDEX_LIMIT
+    )
+
+
+def _placeholder(dtype: torch.dtype) -> bool | float | int:
+    if dtype == torch.bool:
+        return PLACEHOLDERS["bool"]
+    if dtype.is_floating_point or dtype.is_complex:
+        return PLACEHOLDERS["floating"]
+    return PLACEHOLDERS["integer"]
+
+
+def _forget(mode: Any, out: object) -> None:
+    """Drop the converter's weak reference to ``out`` (so ``swap_tensors`` takes it)."""
+    if not weakref.getweakrefcount(out):
+        return
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+    for key in [key for key, value in memo.items() if value is out]:
+        del memo[key]
+
+
+@contextmanager
+def host_objects_ctx() -> Iterator[None]:
+    """Pickle the objects of object collectives on real bytes while this is open.
+
+    ``all_gather_object``, ``broadcast_object_list`` and the rest turn an object
+    into a byte tensor and back in two helpers of ``distributed_c10d``; under a
+    fake-tensor mode the bytes would be fake (the storage torch makes from the
+    pickle lands on ``meta``) and could not be unpickled, so the helpers run
+    with the fake mode set aside. The helpers are put back on the way out.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed import distributed_c10d as c10d
+
+    def on_host(helper: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(helper)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return helper(*args, **kwargs)
+
+        return run
+
+    names = ("_object_to_tensor", "_tensor_to_object")
+    saved = {name: getattr(c10d, name) for name in names}
+    for name, helper in saved.items():
+        setattr(c10d, name, on_host(helper))
+    try:
+        yield
+    finally:
+        for name, helper in saved.items():
+            setattr(c10d, name, helper)
 
 
 def recording_mode(calls: list[tuple[str, str]]) -> Any:
