@@ -297,28 +297,29 @@ def plain_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     yield make_batch(data, index, True, remainder, epoch, total)
 
 
+def flag_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """Yield ``(item, is_last)``, one item ahead so the last is known when it is yielded."""
+    current = next(items, END)
+    if current is END:
+        return
+    for following in items:
+        yield current, False
+        current = following
+    yield current, True
+
+
 def _counted_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:
     """``records`` for an unsized stream: the last batch carries the observed count."""
     total = setup.total_batch_size
     assert total is not None and not setup.drop_last  # see build_setup
     device = setup.ctx.device if setup.put_on_device else None
-    items = open_epoch(setup, epoch, skip)
-    current: Any = next(items, END)
-    if current is END:
-        return
-    index = skip
-    for following in items:
-        data = (
-            current[0]
-            if device is None
-            else send_tree(current[0], device, setup.non_blocking)
-        )
-        yield make_batch(data, index, False, -1, epoch, total)
-        current, index = following, index + 1
-    data, seen = current
-    if device is not None:
-        data = send_tree(data, device, setup.non_blocking)
-    yield make_batch(data, index, True, seen % total, epoch, total)
+    for index, ((data, seen), last) in enumerate(
+        flag_last(open_epoch(setup, epoch, skip)), skip
+    ):
+        if device is not None:
+            data = send_tree(data, device, setup.non_blocking)
+        remainder = seen % total if last else -1
+        yield make_batch(data, index, last, remainder, epoch, total)
 
 
 def _dispatched_records(setup: Setup, epoch: int, skip: int) -> Iterator[Batch]:

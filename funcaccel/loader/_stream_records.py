@@ -22,9 +22,9 @@ from funcaccel.loader._state import make_batch
 from funcaccel.loader._stateful import Resume
 from funcaccel.loader._stateful import StatefulStream
 from funcaccel.loader._stateful import StreamTag
-from funcaccel.loader._stream import END
 from funcaccel.loader._stream import dispatched_rows
 from funcaccel.loader._stream import epoch_samples
+from funcaccel.loader._stream import flag_last
 from funcaccel.loader._stream import open_epoch
 from funcaccel.loader._stream import plain_records
 from funcaccel.loader._stream import skip_exactly
@@ -62,22 +62,15 @@ def _stateful_records(
     device = setup.ctx.device if setup.put_on_device else None
     fixed = -1 if setup.drop_last or n is None else n % total
     items = open_epoch(setup, epoch, skip, stream_state)
-    current: Any = next(items, END)
-    if current is END:
-        return
-    index = skip
-    for following in items:
-        data, tag = current
+    for index, ((data, tag), last) in enumerate(flag_last(items), skip):
         if device is not None:
             data = send_tree(data, device, setup.non_blocking)
-        state = None if tag.state is None else {"source": tag.state}
-        yield make_batch(data, index, False, fixed, epoch, total, state, ranks)
-        current, index = following, index + 1
-    data, tag = current
-    if device is not None:
-        data = send_tree(data, device, setup.non_blocking)
-    last = fixed if n is not None or setup.drop_last else tag.seen % total
-    yield make_batch(data, index, True, last, epoch, total, None, ranks)
+        if not last:
+            state = None if tag.state is None else {"source": tag.state}
+            yield make_batch(data, index, False, fixed, epoch, total, state, ranks)
+            continue
+        remainder = fixed if n is not None or setup.drop_last else tag.seen % total
+        yield make_batch(data, index, True, remainder, epoch, total, None, ranks)
 
 
 def _worker_records(
@@ -102,20 +95,11 @@ def _worker_records(
     device = setup.ctx.device if setup.put_on_device else None
     # Each worker pads its own last global batch, so remainder is only the rule's.
     fixed = -1 if setup.drop_last or n is None else n % total
-    current: Any = next(items, END)
-    if current is END:
-        return
-    index = skip
-    for following in items:
-        data, state = current
+    for index, ((data, state), last) in enumerate(flag_last(items), skip):
         if device is not None:
             data = send_tree(data, device, setup.non_blocking)
-        yield make_batch(data, index, False, fixed, epoch, total, state, ranks)
-        current, index = following, index + 1
-    data, _ = current
-    if device is not None:
-        data = send_tree(data, device, setup.non_blocking)
-    yield make_batch(data, index, True, fixed, epoch, total, None, ranks)
+        kept = None if last else state
+        yield make_batch(data, index, last, fixed, epoch, total, kept, ranks)
 
 
 def _dispatched_stream_records(
