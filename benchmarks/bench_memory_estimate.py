@@ -17,30 +17,38 @@ reports
   gloo buffers and all, on top of the tensors;
 * **peak (tracker)**: the peak torch's memory tracker saw on the real run
   (``FSDPMemTracker`` for an FSDP2 model, ``MemTracker`` otherwise): the live
-  tensors' storage, the measure the estimate predicts. DDP's gradient buckets
-  are allocated inside DDP's C++ reducer at construction, where no tracker sees
-  them; the script adds their size (one flat copy of the gradients) from the
-  reducer's own bucket list, so that both sides count them.
+  tensors' storage, the measure the estimate predicts. It includes DDP's
+  gradient buckets, nothing is added for them: the one flat bucket DDP builds at
+  construction is seen when the first all-reduce runs on it, and the buckets
+  DDP rebuilds in the second iteration's forward are allocated under the
+  tracker (two optimizer steps are run, so the peak is taken after the rebuild).
 
 ``--models mlp llama`` adds a tiny Llama (transformers ``LlamaForCausalLM`` from
 a small ``LlamaConfig``, float32, built here, nothing downloaded; batch of
-``--batch-size`` sequences of ``--seq-len`` token ids, its own loss) at FSDP2 on
-2 ranks and FSDP2 x TP 2 x 2 (the decoder layers as FSDP2 units; q, k, v, gate
-and up projections column-wise, o and down row-wise), measured the same way.
+``--batch-size`` sequences of ``--seq-len`` token ids, its own loss) at DDP and
+FSDP2 on 2 ranks and FSDP2 x TP 2 x 2 (the decoder layers as FSDP2 units; q, k,
+v, gate and up projections column-wise, o and down row-wise), measured the
+same way.
 
 The noise-control row repeats the first real run: its difference from the first
 is the run-to-run spread of the measurement. ``--png FILE`` draws the bar chart
-of estimated against measured peaks.
+of estimated against measured peaks from this run's rows, or, with
+``--chart-from FILE ...``, from the table rows recorded in those files (the
+script's saved output, or benchmarks/README.md) without running anything.
 
-    PYTHONPATH=. python benchmarks/bench_memory_estimate.py --png docs/planning_memory.png
+    PYTHONPATH=. python benchmarks/bench_memory_estimate.py
     PYTHONPATH=. python benchmarks/bench_memory_estimate.py --models llama
+    PYTHONPATH=. python benchmarks/bench_memory_estimate.py \
+        --chart-from benchmarks/README.md --png docs/planning_memory.png
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,8 +66,9 @@ from funcaccel.testing import run_ranks
 
 MiB = 2**20
 LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
-LLAMA_ROWS = (("fsdp", 2), ("fsdp_tp", 4))
+LLAMA_ROWS = (("ddp", 2), ("fsdp", 2), ("fsdp_tp", 4))
 NOISE = "fsdp again (noise control)"
+ROW = re.compile(r"(tiny llama, )?(ddp|fsdp|hsdp|fsdp_tp), \d+ ranks")
 
 
 def _net(args: argparse.Namespace) -> nn.Sequential:
@@ -114,6 +123,8 @@ def _llama_options(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     fsdp = FSDPOptions(shard_modules=(LlamaDecoderLayer,))
+    if layout == "ddp":
+        return {}
     if layout == "fsdp":
         return {"fsdp": fsdp}
     return {"fsdp": fsdp, "tp": 2, "tp_plan": _llama_plan(args.llama_layers)}
@@ -151,13 +162,6 @@ def _local_bytes(tensor: torch.Tensor | None) -> int:
         return 0
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return int(local.numel() * local.element_size())
-
-
-def _ddp_buckets(model: nn.Module) -> int:
-    reducer = getattr(model, "reducer", None)
-    if reducer is None:
-        return 0
-    return sum(_local_bytes(b.buffer()) for b in reducer._get_zeros_like_grad_buckets())
 
 
 def _forward(model: nn.Module, batch: Any) -> Any:
@@ -233,7 +237,7 @@ def _real(
         if isinstance(v, torch.Tensor)
     )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"held": held, "peak": int(peak) + _ddp_buckets(model), "rss": rss}
+    return {"held": held, "peak": int(peak), "rss": rss}
 
 
 def _estimate(
@@ -271,20 +275,52 @@ def _row(name: str, est: dict[str, int], real: dict[str, int]) -> str:
     )
 
 
+def _bars() -> dict[str, list[float]]:
+    return {
+        "estimate_memory": [],
+        "real run, torch's tracker": [],
+        "real run, RSS rise": [],
+    }
+
+
+def _recorded(paths: list[str]) -> tuple[list[str], dict[str, list[float]]]:
+    """The chart's labels and bars from the table rows this script printed.
+
+    ``paths`` hold its output (saved, or copied into benchmarks/README.md): each
+    row named like ``ddp, 2 ranks`` or ``tiny llama, fsdp, 2 ranks`` gives the
+    estimated peak, the tracked peak and the RSS rise (columns 5, 6 and 8); the
+    noise-control row, other tables and a row seen before are left out.
+    """
+    labels: list[str] = []
+    bars = _bars()
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) != 9 or not ROW.fullmatch(cells[0]) or cells[0] in labels:
+                continue
+            labels.append(cells[0])
+            for bar, column in zip(bars.values(), (4, 5, 7), strict=True):
+                bar.append(float(cells[column]))
+    if not labels:
+        raise SystemExit(f"--chart-from: no table rows of this script in {paths}")
+    return labels, bars
+
+
 def _png(path: str, labels: list[str], bars: dict[str, list[float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=80)
+    fig, ax = plt.subplots(figsize=(1 + 0.9 * len(labels), 3.4), dpi=80)
     width = 0.8 / len(bars)
     for k, (label, values) in enumerate(bars.items()):
         at = [i - 0.4 + width * (k + 0.5) for i in range(len(labels))]
         ax.bar(at, values, width, label=label)
-    ax.set_xticks(list(range(len(labels))), labels, rotation=20, fontsize=8)
+    ax.set_xticks(list(range(len(labels))), labels, rotation=25, fontsize=8, ha="right")
     ax.set_ylabel("peak per rank (MiB)")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.2 * max(max(values) for values in bars.values()))
+    ax.legend(fontsize=8, ncols=3, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -300,6 +336,12 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--png", default=None, help="write the bar chart here")
     parser.add_argument(
+        "--chart-from",
+        nargs="+",
+        default=None,
+        help="draw --png from the table rows recorded in these files; run nothing",
+    )
+    parser.add_argument(
         "--models", nargs="+", choices=("mlp", "llama"), default=["mlp"]
     )
     parser.add_argument("--seq-len", type=int, default=128)
@@ -307,6 +349,12 @@ def main() -> None:
     parser.add_argument("--llama-layers", type=int, default=4)
     parser.add_argument("--llama-vocab", type=int, default=8000)
     args = parser.parse_args()
+    if args.chart_from is not None:
+        if args.png is None:
+            parser.error("--chart-from draws a chart: give --png FILE")
+        _png(args.png, *_recorded(args.chart_from))
+        print(f"bar chart: {args.png}")
+        return
     # glibc keeps freed blocks under its (rising) mmap threshold in the heap, so
     # RSS would show the allocator's high-water mark; a fixed threshold returns
     # every block over 128 KiB on free. Set before the ranks' fork server starts.
@@ -334,11 +382,7 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     labels: list[str] = []
-    bars: dict[str, list[float]] = {
-        "estimate_memory": [],
-        "real run, torch's tracker": [],
-        "real run, RSS rise": [],
-    }
+    bars = _bars()
     runs: list[tuple[str, int, bool]] = []
     if "mlp" in args.models:
         runs += [
@@ -348,7 +392,11 @@ def main() -> None:
             if layout in ("ddp", "fsdp") or world == 4  # 2 x 2 meshes
         ]
     if "llama" in args.models:
-        runs += [(layout, world, True) for layout, world in LLAMA_ROWS]
+        runs += [
+            (layout, world, True)
+            for layout, world in LLAMA_ROWS
+            if layout in args.layouts
+        ]
     for layout, world, llama in runs:
         est = _estimate(layout, world, args, llama)
         real = run_ranks(
