@@ -114,6 +114,10 @@ def check_meta_init(caller: str, model: nn.Module, init_fn: object) -> None:
 
 def place_(model: nn.Module, device: torch.device) -> None:
     """Move ``model`` to ``device`` in place, as ``.to`` does, leaving meta tensors on meta."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.device == device for t in tensors):
+        # Nothing to move; fake tensors (estimate_memory) cannot be moved in place.
+        return
     if not has_meta_tensors(model):
         model.to(device)
         return
