@@ -5,8 +5,9 @@
 ``dp_replicate=R, dp_shard=S, tp=T`` described for this rank when given. ``python -m funcaccel plot RUN_DIR [--out FILE]``
 writes a PNG of the metrics a ``JSONLTracker`` / ``CSVTracker`` logged in
 ``RUN_DIR`` (``plot_metrics``) and prints its path. ``python -m funcaccel estimate
-MODULE:NAME --world-size N [--dp-replicate R --dp-shard S --tp T --fsdp ...]
-[--device cuda] [--json]`` prints ``estimate_memory``'s table (or JSON) for that model.
+MODULE:NAME --world-size N [--pp P --dp-replicate R --dp-shard S --tp T --fsdp ...]
+[--schedule 1f1b --microbatches M] [--device cuda] [--json]`` prints
+``estimate_memory``'s table (or JSON) for that model.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def _add_estimate(commands: Any) -> None:
     )
     estimate.add_argument("model", metavar="MODULE:NAME")
     estimate.add_argument("--world-size", type=int, required=True)
+    estimate.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages' ranks (a chain model)"
+    )
     estimate.add_argument("--dp-replicate", type=int, default=1)
     estimate.add_argument(
         "--dp-shard", type=int, default=None, help="default: the rest with --fsdp"
@@ -70,6 +74,17 @@ def _add_estimate(commands: Any) -> None:
         help="one micro-batch's shape, for a model that is not from transformers",
     )  # fmt: skip
     estimate.add_argument("--accumulation-steps", type=int, default=1)
+    estimate.add_argument(
+        "--microbatches", type=int, default=None,
+        help="per pipeline step, with --pp (default: pp x stages per rank)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--schedule", default="1f1b", help="torch's pipeline schedule, with --pp"
+    )
+    estimate.add_argument(
+        "--stages-per-rank", type=int, default=1,
+        help="with --pp: 2 or more for the interleaved and zero-bubble schedules",
+    )  # fmt: skip
     estimate.add_argument(
         "--optimizer", default="adamw", choices=("adamw", "adam", "sgd")
     )
@@ -92,6 +107,7 @@ def _estimate(args: argparse.Namespace) -> int:
         result = estimate_from_path(
             args.model,
             world_size=args.world_size,
+            pp=args.pp,
             dp_replicate=args.dp_replicate,
             dp_shard=args.dp_shard,
             tp=args.tp,
@@ -105,6 +121,9 @@ def _estimate(args: argparse.Namespace) -> int:
             mixed_precision=args.mixed_precision,
             margin=args.margin,
             device=args.device,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
         )
     except (ImportError, AttributeError, TypeError, ValueError) as error:
         prefix, text = "python -m funcaccel estimate", str(error)

@@ -88,7 +88,7 @@ def test_fsdp_times_tp_shards_by_the_plan_then_over_dp_shard() -> None:
         _mlp, BATCH, optimizer_fn=_adamw, world_size=8, dp_shard=4, tp=2,
         tp_plan=plan, fsdp=FSDPOptions(),
     )  # fmt: skip
-    assert estimate.strategy == "fsdp+tp" and estimate.mesh == (1, 4, 2)
+    assert estimate.strategy == "fsdp+tp" and estimate.mesh == (1, 1, 4, 2)
     # tp halves up (rows) and down's weight (columns); down's bias is replicated
     # over tp; then every tensor is split over the 4 dp_shard ranks.
     per_block = (UP // 2 + UP_B // 2 + DOWN // 2 + DOWN_B) // 4
@@ -216,17 +216,6 @@ def test_a_tp_plan_naming_a_missing_module_is_wrap_models_error() -> None:
         estimate_memory(_mlp(), BATCH, optimizer_fn=_adamw, world_size=2)
 
 
-def test_pipeline_stages_are_refused_by_name() -> None:
-    from funcaccel.model import PipelineOptions
-
-    with pytest.raises(ValueError, match=r"estimate_memory: pipeline must be None"):
-        estimate_memory(
-            _mlp, BATCH, optimizer_fn=_adamw, world_size=4,
-            pipeline=PipelineOptions(microbatches=2),
-        )  # fmt: skip
-    assert not dist.is_initialized()
-
-
 def test_memory_values_check_their_fields() -> None:
     rank = RankMemory(rank=0, parameters=1, gradients=1, optimizer_state=2, peak=8)
     with pytest.raises(ValueError, match=r"MemoryEstimate: ranks must be at least one"):
@@ -237,6 +226,14 @@ def test_memory_values_check_their_fields() -> None:
         world_size=1, mesh=(1, 1, 1), strategy="none", ranks=(rank,), margin=0.5
     )
     assert est.peak_with_margin == 12 and est.fits(12) and not est.fits(11)
+    # A 3-tuple mesh, (dp_replicate, dp_shard, tp) before pipelines, has pp=1.
+    assert est.mesh == (1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"MemoryEstimate: mesh must be \(pp, dp_"):
+        MemoryEstimate(world_size=1, mesh=(1, 1), strategy="none", ranks=(rank,))
+    with pytest.raises(ValueError, match=r"RankMemory: every stage \(-1\) must be"):
+        RankMemory(
+            rank=0, parameters=1, gradients=1, optimizer_state=2, peak=8, stages=(-1,)
+        )
 
 
 class _Residual(nn.Module):

@@ -32,6 +32,7 @@ __all__ = [
     "held_bytes",
     "is_uneven",
     "peak_parts",
+    "tracking_repeated_calls",
 ]
 
 DEVICE_KINDS: Final = ("cpu", "cuda")
@@ -158,6 +159,36 @@ def build_tracker(
     plain = MemTracker()
     plain.track_external(module, optimizer)
     return plain
+
+
+@contextlib.contextmanager
+def tracking_repeated_calls(tracker: Any, roots: Iterable[nn.Module]) -> Iterator[None]:
+    """Within (entered before ``tracker``): ``roots`` may run forward several times.
+
+    torch's trackers refuse a root module's second forward (they keep one
+    iteration's per-module stats), but a pipeline schedule runs its stage once
+    per micro-batch. A global forward pre-hook, registered before the
+    tracker's own (global hooks run in registration order), forgets the
+    root's per-module stats before each forward; the tracker's peak, kept
+    apart, is unchanged.
+    """
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    watched = {id(root) for root in roots}
+    if not watched:
+        yield
+        return
+
+    def forget(module: nn.Module, args: object) -> None:
+        del args  # only which module runs matters
+        if id(module) in watched:
+            tracker.memory_tracking.pop(module, None)
+
+    handle = register_module_forward_pre_hook(forget)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def peak_parts(tracker: Any) -> dict[str, int]:

@@ -4,15 +4,16 @@ Bytes are per rank. ``RankMemory`` holds one rank's steady state (its parameters
 gradients and optimizer state, counted tensor by tensor) and its peak during a
 training step with the parts torch's memory tracker attributes it to.
 ``MemoryEstimate`` holds the ranks that differ (an uneven shard gives the last
-rank less), the margin the caller asked for, and what is not counted.
+rank less; each pipeline stage's ranks hold other layers), the margin the
+caller asked for, and what is not counted.
 
 >>> rank = RankMemory(rank=0, parameters=4 * 2**20, gradients=4 * 2**20,
 ...                   optimizer_state=8 * 2**20, peak=20 * 2**20,
 ...                   peak_parts=(("activations", 4 * 2**20),))
->>> est = MemoryEstimate(world_size=8, mesh=(1, 8, 1), strategy="fsdp",
+>>> est = MemoryEstimate(world_size=8, mesh=(1, 1, 8, 1), strategy="fsdp",
 ...                      ranks=(rank,), margin=0.25)
->>> est.peak / 2**20, est.peak_with_margin / 2**20
-(20.0, 25.0)
+>>> est.peak / 2**20, est.peak_with_margin / 2**20, est.mesh
+(20.0, 25.0, (1, 1, 8, 1))
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ NOT_COUNTED: Final = (
 
 GiB: Final = 2**30
 MiB: Final = 2**20
+MESH_DIMS: Final = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +49,7 @@ class RankMemory:
 
     Args:
         rank: the global rank.
+        stages: the pipeline stages the rank runs (``()`` without a pipeline).
         parameters, gradients, optimizer_state: what the rank holds between
             steps: its parameters (shards), their gradients and the optimizer's
             state, each tensor counted once by its local size.
@@ -62,10 +65,14 @@ class RankMemory:
     optimizer_state: int
     peak: int
     peak_parts: tuple[tuple[str, int], ...] = ()
+    stages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         owner = "RankMemory"
         check_int(owner, "rank", self.rank, 0)
+        stages = check_type(owner, "stages", self.stages, tuple)
+        for stage in stages:
+            check_int(owner, "every stage", stage, 0)
         for name in ("parameters", "gradients", "optimizer_state", "peak"):
             check_int(owner, name, getattr(self, name), 0)
         parts = check_type(owner, "peak_parts", self.peak_parts, tuple)
@@ -85,10 +92,14 @@ class MemoryEstimate:
 
     Args:
         world_size: the number of ranks planned for.
-        mesh: ``(dp_replicate, dp_shard, tp)``.
+        mesh: ``(pp, dp_replicate, dp_shard, tp)``, as ``ParallelMesh.shape``;
+            a 3-tuple ``(dp_replicate, dp_shard, tp)`` is read with ``pp=1``.
         strategy: ``"none"``, ``"ddp"``, ``"fsdp"``, ``"hsdp"``, ``"tp"``,
-            ``"fsdp+tp"`` or ``"hsdp+tp"``.
-        ranks: the ranks estimated (rank 0, and the last rank when it differs).
+            ``"fsdp+tp"`` or ``"hsdp+tp"``; with pipeline stages ``"pp"`` or
+            ``"pp+"`` and what each stage is (``"pp+fsdp"``, ``"pp+replicate"``).
+        ranks: the ranks estimated: rank 0, the first rank of every other
+            pipeline stage, and after each the last rank of its stage when
+            its shards are uneven.
         margin: the fraction added to the peak for what is not counted.
         not_counted: what the estimate leaves out (``NOT_COUNTED``).
         device: the device kind the sizes are for: ``"cpu"`` (each tensor's
@@ -96,7 +107,7 @@ class MemoryEstimate:
     """
 
     world_size: int
-    mesh: tuple[int, int, int]
+    mesh: tuple[int, ...]
     strategy: str
     ranks: tuple[RankMemory, ...]
     margin: float = 0.1
@@ -106,6 +117,14 @@ class MemoryEstimate:
     def __post_init__(self) -> None:
         owner = "MemoryEstimate"
         check_int(owner, "world_size", self.world_size, 1)
+        mesh = check_type(owner, "mesh", self.mesh, tuple)
+        if len(mesh) == 3:  # written before pipeline stages were estimated
+            mesh = (1, *mesh)
+            object.__setattr__(self, "mesh", mesh)
+        if len(mesh) != 4 or not all(isinstance(n, int) and n >= 1 for n in mesh):
+            fail_value(
+                owner, "mesh", mesh, "(pp, dp_replicate, dp_shard, tp), each >= 1"
+            )
         check_type(owner, "ranks", self.ranks, tuple)
         if not self.ranks:
             fail_value(owner, "ranks", self.ranks, "at least one RankMemory")
@@ -137,9 +156,7 @@ class MemoryEstimate:
         """Everything as JSON-ready builtins (bytes as ints)."""
         return {
             "world_size": self.world_size,
-            "mesh": dict(
-                zip(("dp_replicate", "dp_shard", "tp"), self.mesh, strict=True)
-            ),
+            "mesh": dict(zip(MESH_DIMS, self.mesh, strict=True)),
             "strategy": self.strategy,
             "device": self.device,
             "margin": self.margin,
@@ -148,6 +165,7 @@ class MemoryEstimate:
             "ranks": [
                 {
                     "rank": r.rank,
+                    "stages": list(r.stages),
                     "parameters": r.parameters,
                     "gradients": r.gradients,
                     "optimizer_state": r.optimizer_state,
@@ -161,7 +179,7 @@ class MemoryEstimate:
 
     def table(self) -> str:
         """A Markdown table (GiB, or MiB below 1 GiB), a column per rank, then the limits."""
-        heads = [f"rank {r.rank}" for r in self.ranks]
+        heads = [_column(r) for r in self.ranks]
         unit, size = ("GiB", GiB) if self.peak >= GiB else ("MiB", MiB)
         rows: list[tuple[str, list[int]]] = [
             ("parameters (held)", [r.parameters for r in self.ranks]),
@@ -182,7 +200,7 @@ class MemoryEstimate:
         shape = " x ".join(str(n) for n in self.mesh)
         lines = [
             f"{self.strategy} on {self.world_size} ranks "
-            f"(dp_replicate x dp_shard x tp = {shape}), {unit} per rank, "
+            f"({' x '.join(MESH_DIMS)} = {shape}), {unit} per rank, "
             f"{self.device} sizes",
             "",
             "| | " + " | ".join(heads) + " |",
@@ -194,3 +212,11 @@ class MemoryEstimate:
         ]
         lines += ["", "Not counted: " + "; ".join(self.not_counted) + "."]
         return "\n".join(lines)
+
+
+def _column(rank: RankMemory) -> str:
+    """``"rank 0"``, or with pipeline stages ``"rank 2 (stage 1)"`` / ``"(stages 1, 3)"``."""
+    if not rank.stages:
+        return f"rank {rank.rank}"
+    word = "stage" if len(rank.stages) == 1 else "stages"
+    return f"rank {rank.rank} ({word} {', '.join(map(str, rank.stages))})"

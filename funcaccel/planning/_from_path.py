@@ -8,7 +8,11 @@ transformers model gets a batch of token ids (``batch_size x seq_len``, labels
 included); any other model a float tensor of ``input_shape``. With ``tp > 1``
 the tensor-parallel plan is ``tp_plan`` (an import path of a mapping from
 module names to torch parallel styles) or, for a transformers model, its
-config's ``base_model_tp_plan`` ("colwise" / "rowwise" entries).
+config's ``base_model_tp_plan`` ("colwise" / "rowwise" entries). With
+``pp > 1`` the model (a chain of units, not a transformers model) is cut into
+pipeline stages: ``input_shape`` is one micro-batch's, and a pipeline step's
+batch is ``microbatches`` of them (targets: one zero per row, which the default
+loss, the sum of the output, does not read).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from funcaccel._checks import fail_value
 from funcaccel.model import FSDPOptions
+from funcaccel.model import PipelineOptions
 from funcaccel.planning._estimate import MemoryEstimate
 from funcaccel.planning._memory import estimate_memory
 
@@ -127,6 +132,7 @@ def estimate_from_path(
     path: str,
     *,
     world_size: int,
+    pp: int = 1,
     dp_replicate: int = 1,
     dp_shard: int | None = None,
     tp: int = 1,
@@ -140,19 +146,47 @@ def estimate_from_path(
     mixed_precision: str = "no",
     margin: float = 0.1,
     device: str | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
 ) -> MemoryEstimate:
     """Estimate the model ``path`` names (see the module's docstring).
 
+    ``microbatches`` (``None``: ``pp * stages_per_rank``, the fewest torch's
+    schedules take), ``schedule`` and ``stages_per_rank`` make the
+    ``PipelineOptions`` when ``pp > 1``.
+
     Raises:
         ValueError: a path that names nothing usable, a missing input shape or
-            tensor-parallel plan; and what ``estimate_memory`` raises.
+            tensor-parallel plan, ``pp > 1`` for a transformers model; and what
+            ``PipelineOptions`` or ``estimate_memory`` raise.
     """
     factory, config = _model_factory(path)
+    pipeline = None
+    if pp > 1:
+        if config is not None:
+            fail_value(
+                _CALLER,
+                "--pp",
+                pp,
+                "1 for a transformers model (its forward is not a chain of units "
+                "that pipeline stages can cut)",
+                "Pass a function returning a chain (an nn.Sequential) with "
+                "--input-shape.",
+            )
+        count = pp * stages_per_rank if microbatches is None else microbatches
+        pipeline = PipelineOptions(
+            microbatches=count, schedule=schedule, stages_per_rank=stages_per_rank
+        )
     if config is not None:
         ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
         batch: object = {"input_ids": ids, "labels": ids}
     elif input_shape is not None:
-        batch = torch.zeros(tuple(input_shape))
+        shape = tuple(input_shape)
+        batch = torch.zeros(shape)
+        if pipeline is not None and shape:  # a step: every micro-batch, targets
+            rows = pipeline.microbatches * shape[0]
+            batch = (torch.zeros((rows, *shape[1:])), torch.zeros(rows))
     else:
         fail_value(
             _CALLER,
@@ -174,6 +208,8 @@ def estimate_from_path(
         batch,
         world_size=world_size,
         optimizer_fn=_OPTIMIZERS[optimizer],
+        pp=pp,
+        pipeline=pipeline,
         dp_replicate=dp_replicate,
         dp_shard=dp_shard,
         tp=tp,

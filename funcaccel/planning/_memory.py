@@ -18,6 +18,7 @@ gradients' size that a real DDP step on gloo was measured to hold at its peak.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -38,8 +39,11 @@ from funcaccel.context import DistributedContext
 from funcaccel.flops import output_loss
 from funcaccel.grad_state import GradState
 from funcaccel.kwargs import DistributedDataParallelKwargs
+from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
+from funcaccel.model import Pipeline
+from funcaccel.model import PipelineOptions
 from funcaccel.model import apply_activation_checkpointing
 from funcaccel.model import wrap_model
 from funcaccel.planning._counting import DEVICE_KINDS
@@ -48,10 +52,15 @@ from funcaccel.planning._counting import device_rounding
 from funcaccel.planning._counting import held_bytes
 from funcaccel.planning._counting import is_uneven
 from funcaccel.planning._counting import peak_parts
+from funcaccel.planning._counting import tracking_repeated_calls
 from funcaccel.planning._estimate import MemoryEstimate
 from funcaccel.planning._estimate import RankMemory
 from funcaccel.planning._fake_world import fake_tensor_mode
 from funcaccel.planning._fake_world import fake_world_ctx
+from funcaccel.planning._pipeline_memory import StepFn
+from funcaccel.planning._pipeline_memory import check_pipeline_arguments
+from funcaccel.planning._pipeline_memory import cut_and_step
+from funcaccel.planning._pipeline_memory import pipeline_strategy
 
 __all__ = ["estimate_memory", "plan_strategy"]
 
@@ -147,15 +156,17 @@ def estimate_memory(
     *,
     world_size: int,
     optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    pp: int = 1,
     dp_replicate: int = 1,
     dp_shard: int | None = None,
     tp: int = 1,
     tp_plan: Mapping[str, Any] | None = None,
     fsdp: FSDPOptions | None = None,
     ddp_kwargs: DistributedDataParallelKwargs | None = None,
+    pipeline: PipelineOptions | None = None,
     accumulation_steps: int = 1,
     mixed_precision: MixedPrecision = "no",
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     margin: float = 0.1,
     device: str | None = None,
     **wrap_options: Any,
@@ -172,8 +183,16 @@ def estimate_memory(
     ``accumulate_step``, all on fake tensors. ``wrap_options`` reach
     ``wrap_model`` unchanged (``init_fn=``, and the options it gains later, such
     as activation checkpointing); ``init_fn`` defaults to one that does nothing,
-    as values do not matter. A mesh is built when ``tp > 1``, ``dp_replicate >
-    1`` or ``fsdp`` is given; otherwise several ranks mean DDP.
+    as values do not matter. A mesh is built when ``pp > 1``, ``tp > 1``,
+    ``dp_replicate > 1`` or ``fsdp`` is given; otherwise several ranks mean DDP.
+
+    With ``pp > 1`` and ``pipeline=PipelineOptions(...)`` the model is built
+    whole on fake tensors, cut by ``wrap_model(..., pipeline=pipeline)`` and
+    trained through ``pipeline_step`` (``accumulation_steps`` pipeline steps
+    per window) with torch's own schedule; one rank of every pipeline stage is
+    estimated (the first of its ranks, ``p * world_size // pp``), since each
+    holds other layers. ``batch`` is then what ``pipeline_step`` takes, one
+    data-parallel rank's ``(inputs, targets)`` for all micro-batches.
 
     With ``world_size=8`` and ``fsdp=FSDPOptions()`` a 1B-parameter float32
     model with AdamW holds 0.5 GB of parameters, 0.5 GB of gradients and 1 GB of
@@ -184,17 +203,22 @@ def estimate_memory(
         model_fn: builds the model (called under ``torch.device("meta")``).
         batch: one micro-batch of one rank, as the model takes it: a tensor, a
             tuple of arguments or a mapping of keyword arguments; real or
-            ``meta`` tensors, only their shapes and dtypes are used.
+            ``meta`` tensors, only their shapes and dtypes are used. With
+            ``pipeline``: ``(inputs, targets)`` of one pipeline step.
         world_size: the number of ranks planned for (any, e.g. 4,096).
         optimizer_fn: builds the optimizer from the wrapped model's parameters.
-        dp_replicate, dp_shard, tp: the mesh, as ``build_mesh`` takes it;
+        pp, dp_replicate, dp_shard, tp: the mesh, as ``build_mesh`` takes it;
             ``dp_shard=None`` is the rest of the world with ``fsdp``, else 1.
-        tp_plan, fsdp, ddp_kwargs: as ``wrap_model`` takes them.
-        accumulation_steps: micro-batches per optimizer step.
+        tp_plan, fsdp, ddp_kwargs, pipeline: as ``wrap_model`` takes them;
+            ``pipeline`` is required with ``pp > 1`` (and refused without).
+        accumulation_steps: micro-batches (pipeline steps) per optimizer step.
         mixed_precision: the context's autocast mode (``"no"``, ``"bf16"``,
-            ``"fp16"``), as ``build_context(mixed_precision=...)``.
+            ``"fp16"``), as ``build_context(mixed_precision=...)``; ``"no"``
+            with ``pipeline``, as ``pipeline_step`` requires.
         loss_fn: turns the model's output into the loss; by default its ``loss``
-            attribute, else the sum of its floating-point tensors.
+            attribute, else the sum of its floating-point tensors. With
+            ``pipeline``: ``loss_fn(output, target)``, as ``pipeline_step``
+            takes it (by default the same, the target unused).
         margin: the fraction added in ``peak_with_margin`` for what is not
             counted (``MemoryEstimate.not_counted``).
         device: the device kind the run will use, ``"cpu"`` or ``"cuda"``
@@ -207,60 +231,81 @@ def estimate_memory(
         The ``MemoryEstimate``, bytes per rank.
 
     Raises:
-        TypeError, ValueError: a bad argument (``pipeline=``: stages are not
-            estimated), or what ``build_mesh`` or
-            ``wrap_model`` refuse for this world (a mesh that does not divide it,
-            a tp_plan naming a missing module).
+        TypeError, ValueError: a bad argument (``pp > 1`` without ``pipeline``
+            or the reverse, a pipeline batch that is not a pair of tensors), or
+            what ``build_mesh``, ``wrap_model`` or ``pipeline_step`` refuse for
+            this world (a mesh that does not divide it, a tp_plan naming a
+            missing module, a model that is not a chain of units).
         RuntimeError: a default process group already exists in this process.
     """
     _check_arguments(
         model_fn, world_size, optimizer_fn, accumulation_steps, margin, loss_fn
     )
-    if wrap_options.get("pipeline") is not None:
-        fail_value(
-            _CALLER,
-            "pipeline",
-            wrap_options["pipeline"],
-            "None: pipeline stages are not estimated (the stage cut gives the "
-            "stage storage with Module.to_empty, which cannot make fake tensors)",
-            "Estimate one stage's model (its layers) without pipeline=.",
-        )
-    kind = _device_kind(device)
-    shard = (1 if fsdp is None else -1) if dp_shard is None else dp_shard
-    ranks = [0]
+    check_int(_CALLER, "pp", pp, 1)
+    check_pipeline_arguments(pp, pipeline, batch, mixed_precision)
+    plan = _Plan(
+        model_fn=model_fn,
+        batch=batch,
+        world_size=world_size,
+        optimizer_fn=optimizer_fn,
+        sizes=(
+            pp,
+            dp_replicate,
+            (1 if fsdp is None else -1) if dp_shard is None else dp_shard,
+            tp,
+        ),
+        tp_plan=tp_plan,
+        fsdp=fsdp,
+        ddp_kwargs=ddp_kwargs,
+        pipeline=pipeline,
+        accumulation_steps=accumulation_steps,
+        mixed_precision=mixed_precision,
+        loss_fn=loss_fn,
+        wrap_options=wrap_options,
+        device=_device_kind(device),
+    )
+    # Rank 0 first: its mesh checks the sizes against the world. Then the
+    # first rank of every other pipeline stage, and after each the last rank
+    # of the same stage when its shards are uneven (it holds less).
     found: list[RankMemory] = []
-    mesh_shape = (world_size, 1, 1)
-    strategy = "none"
-    while ranks:
-        rank = ranks.pop(0)
-        memory, shape, strategy, uneven = _estimate_rank(
-            rank,
-            model_fn,
-            batch,
-            world_size=world_size,
-            optimizer_fn=optimizer_fn,
-            sizes=(dp_replicate, shard, tp),
-            tp_plan=tp_plan,
-            fsdp=fsdp,
-            ddp_kwargs=ddp_kwargs,
-            accumulation_steps=accumulation_steps,
-            mixed_precision=mixed_precision,
-            loss_fn=loss_fn,
-            wrap_options=wrap_options,
-            device=kind,
-        )
+    per_stage = world_size // pp
+    firsts = [0]
+    while firsts:
+        first = firsts.pop(0)
+        memory, shape, strategy, uneven = _estimate_rank(first, plan)
         found.append(memory)
-        mesh_shape = shape
-        if uneven and rank == 0 and world_size > 1:
-            ranks.append(world_size - 1)
+        if uneven and per_stage > 1:
+            found.append(_estimate_rank(first + per_stage - 1, plan)[0])
+        if first == 0:
+            firsts = [stage * per_stage for stage in range(1, pp)]
     return MemoryEstimate(
         world_size=world_size,
-        mesh=mesh_shape,
+        mesh=shape,
         strategy=strategy,
         ranks=tuple(found),
         margin=margin,
-        device=kind,
+        device=plan.device,
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Plan:
+    """``estimate_memory``'s arguments, checked: what every rank's estimate shares."""
+
+    model_fn: Callable[[], nn.Module]
+    batch: object
+    world_size: int
+    optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    sizes: tuple[int, int, int, int]  # pp, dp_replicate, dp_shard, tp
+    tp_plan: Mapping[str, Any] | None
+    fsdp: FSDPOptions | None
+    ddp_kwargs: DistributedDataParallelKwargs | None
+    pipeline: PipelineOptions | None
+    accumulation_steps: int
+    mixed_precision: MixedPrecision
+    loss_fn: Callable[..., torch.Tensor] | None
+    wrap_options: Mapping[str, Any]
+    device: str
 
 
 def _device_kind(device: object) -> str:
@@ -279,96 +324,84 @@ def _device_kind(device: object) -> str:
 
 
 def _estimate_rank(
-    rank: int,
-    model_fn: Callable[[], nn.Module],
-    batch: object,
-    *,
-    world_size: int,
-    optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    sizes: tuple[int, int, int],
-    tp_plan: Mapping[str, Any] | None,
-    fsdp: FSDPOptions | None,
-    ddp_kwargs: DistributedDataParallelKwargs | None,
-    accumulation_steps: int,
-    mixed_precision: MixedPrecision,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    wrap_options: Mapping[str, Any],
-    device: str,
-) -> tuple[RankMemory, tuple[int, int, int], str, bool]:
-    dp_replicate, dp_shard, tp = sizes
+    rank: int, plan: _Plan
+) -> tuple[RankMemory, tuple[int, int, int, int], str, bool]:
+    pp, dp_replicate, dp_shard, tp = plan.sizes
+    world_size, fsdp = plan.world_size, plan.fsdp
     with fake_world_ctx(
-        _CALLER, world_size, rank, mixed_precision=mixed_precision
+        _CALLER, world_size, rank, mixed_precision=plan.mixed_precision
     ) as ctx:
         # The mesh is built before fake tensors exist: a DeviceMesh reads its
         # layout back from integer tensors, which a fake tensor cannot answer.
-        use_mesh = world_size > 1 and (tp > 1 or dp_replicate > 1 or fsdp is not None)
+        use_mesh = world_size > 1 and (
+            pp > 1 or tp > 1 or dp_replicate > 1 or fsdp is not None
+        )
         mesh = None
+        shape = (1, world_size, 1, 1)
         if use_mesh:
-            mesh = build_mesh(ctx, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
-            shape = (mesh.dp_replicate, mesh.dp_shard, mesh.tp)
+            mesh = build_mesh(
+                ctx, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp
+            )
+            shape = mesh.shape
+        if pp > 1:
+            strategy = pipeline_strategy(*shape[1:], fsdp)
         else:
-            shape = (world_size, 1, 1)
-        strategy = plan_strategy(world_size, *shape, fsdp)
+            strategy = plan_strategy(world_size, *shape[1:], fsdp)
         mode = fake_tensor_mode()
         with mode:
-            # DDP's and one process's whole model is built fake (Module.to_empty
-            # cannot swap a meta parameter for a fake one); wrap_model
+            # DDP's, one process's and a pipeline's whole model is built fake
+            # (Module.to_empty cannot swap a meta parameter for a fake one; the
+            # pipeline's stage cut keeps this rank's units); wrap_model
             # materialises this rank's shards of the rest.
-            whole = strategy in ("ddp", "none")
+            whole = strategy in ("ddp", "none") or pp > 1
             with torch.device(ctx.device if whole else "meta"):
-                model = model_fn()
+                model = plan.model_fn()
             if not isinstance(model, nn.Module):
                 fail_type(_CALLER, "model_fn()", model, "an nn.Module")
-            step_ctx = ctx
-            if whole:
-                # Each DDP rank holds the whole model; its step is one process's.
-                # wrap_model would only move it (fake tensors cannot be moved in
-                # place) and checkpoint its blocks, which is done here.
-                step_ctx = DistributedContext(mixed_precision=mixed_precision)
-                wrapped = model
-                checkpointing = wrap_options.get("activation_checkpointing")
-                if checkpointing is not None:
-                    apply_activation_checkpointing(wrapped, checkpointing)
-            else:
-                options = {"init_fn": _no_init, **wrap_options}
-                wrapped = wrap_model(
+            fake = _fake_batch(mode, plan.batch)
+            wrapped: nn.Module
+            if pp > 1:
+                assert plan.pipeline is not None
+                wrapped, tracked, step = cut_and_step(
                     ctx,
                     model,
-                    ddp_kwargs,
-                    fsdp=fsdp,
-                    mesh=mesh,
-                    tp_plan=tp_plan,
-                    **options,
+                    fake,
+                    plan.pipeline,
+                    {
+                        "mesh": mesh,
+                        "fsdp": fsdp,
+                        "tp_plan": plan.tp_plan,
+                        "init_fn": _no_init,
+                        **plan.wrap_options,
+                    },
+                    plan.loss_fn,
                 )
-            optimizer = optimizer_fn(list(wrapped.parameters()))
-            fake = _fake_batch(mode, batch)
-            with device_rounding(device):  # the tracker counts storages from here
-                tracker = build_tracker(wrapped, optimizer, fake)
-                compute_loss = loss_fn or output_loss
-                with tracker:
-                    grad = GradState(accumulation_steps=accumulation_steps)
-                    for _ in range(_STEPS * accumulation_steps):
-                        _, grad = accumulate_step(
-                            step_ctx,
-                            grad,
-                            wrapped,
-                            optimizer,
-                            lambda: compute_loss(_call(wrapped, fake)),
-                        )
+            else:
+                wrapped, step = _step_fn(ctx, model, mesh, fake, plan, whole)
+                tracked = wrapped
+            optimizer = plan.optimizer_fn(list(wrapped.parameters()))
+            with device_rounding(plan.device):  # the tracker counts storages from here
+                tracker = build_tracker(tracked, optimizer, fake)
+                roots = wrapped.stage_modules if isinstance(wrapped, Pipeline) else ()
+                with tracking_repeated_calls(tracker, roots), tracker:
+                    grad = GradState(accumulation_steps=plan.accumulation_steps)
+                    for _ in range(_STEPS * plan.accumulation_steps):
+                        grad = step(grad, optimizer)
                         # The trackers keep one forward's per-module stats (and
                         # refuse a second); the peak survives the reset.
                         tracker.reset_mod_stats()
             parts = peak_parts(tracker)
-            parameters, gradients, state = held_bytes(wrapped, optimizer, device)
+            parameters, gradients, state = held_bytes(wrapped, optimizer, plan.device)
             uneven = is_uneven(wrapped)
         if strategy == "ddp":
-            kwargs = ddp_kwargs or DistributedDataParallelKwargs()
+            kwargs = plan.ddp_kwargs or DistributedDataParallelKwargs()
             parts[_DDP_BUCKETS] = 0 if kwargs.gradient_as_bucket_view else gradients
             # Measured on gloo: a temporary of the gradients' full size at the
             # peak, besides the buckets (whatever bucket_cap_mb).
             parts[_DDP_COPY] = gradients
     memory = RankMemory(
         rank=rank,
+        stages=wrapped.stage_indices if isinstance(wrapped, Pipeline) else (),
         parameters=parameters,
         gradients=gradients,
         optimizer_state=state,
@@ -376,3 +409,48 @@ def _estimate_rank(
         peak_parts=tuple(parts.items()),
     )
     return memory, shape, strategy, uneven
+
+
+def _step_fn(
+    ctx: DistributedContext,
+    model: nn.Module,
+    mesh: ParallelMesh | None,
+    fake: object,
+    plan: _Plan,
+    whole: bool,
+) -> tuple[nn.Module, StepFn]:
+    """Wrap ``model`` as the run does; one ``accumulate_step`` on ``fake``."""
+    step_ctx = ctx
+    if whole:
+        # Each DDP rank holds the whole model; its step is one process's.
+        # wrap_model would only move it (fake tensors cannot be moved in
+        # place) and checkpoint its blocks, which is done here.
+        step_ctx = DistributedContext(mixed_precision=plan.mixed_precision)
+        wrapped = model
+        checkpointing = plan.wrap_options.get("activation_checkpointing")
+        if checkpointing is not None:
+            apply_activation_checkpointing(wrapped, checkpointing)
+    else:
+        options = {"init_fn": _no_init, **plan.wrap_options}
+        wrapped = wrap_model(
+            ctx,
+            model,
+            plan.ddp_kwargs,
+            fsdp=plan.fsdp,
+            mesh=mesh,
+            tp_plan=plan.tp_plan,
+            **options,
+        )
+    compute_loss = plan.loss_fn or output_loss
+
+    def step(grad: GradState, optimizer: torch.optim.Optimizer) -> GradState:
+        _, grad = accumulate_step(
+            step_ctx,
+            grad,
+            wrapped,
+            optimizer,
+            lambda: compute_loss(_call(wrapped, fake)),
+        )
+        return grad
+
+    return wrapped, step
