@@ -1,4 +1,4 @@
-"""``estimate_memory`` against real gloo runs: held model state and the peak, per rank.
+r"""``estimate_memory`` against real gloo runs: held model state and the peak, per rank.
 
 For each layout (DDP, FSDP2, HSDP 2 x 2, FSDP2 x TP 2 x 2) and world size (2, 4)
 the script first estimates rank 0's memory with ``estimate_memory`` in this
@@ -30,6 +30,12 @@ FSDP2 on 2 ranks and FSDP2 x TP 2 x 2 (the decoder layers as FSDP2 units; q, k,
 v, gate and up projections column-wise, o and down row-wise), measured the
 same way.
 
+``--timeline`` prints, after each row, its real run's rank 0 phase by phase
+(forward, backward, optimizer step, zero_grad of each micro-step): the peak
+RSS within the phase and the RSS at its end, the file pages, torch's tracker
+and its parts. It showed where DDP's buckets are (Linux only; the marks reset
+the kernel's peak, so the RSS rise is then the highest of the phases' peaks).
+
 The noise-control row repeats the first real run: its difference from the first
 is the run-to-run spread of the measurement. ``--png FILE`` draws the bar chart
 of estimated against measured peaks from this run's rows, or, with
@@ -38,6 +44,8 @@ script's saved output, or benchmarks/README.md) without running anything.
 
     PYTHONPATH=. python benchmarks/bench_memory_estimate.py
     PYTHONPATH=. python benchmarks/bench_memory_estimate.py --models llama
+    PYTHONPATH=. python benchmarks/bench_memory_estimate.py --layouts ddp \
+        --worlds 2 --timeline
     PYTHONPATH=. python benchmarks/bench_memory_estimate.py \
         --chart-from benchmarks/README.md --png docs/planning_memory.png
 """
@@ -173,10 +181,55 @@ def _reset(module: nn.Module) -> None:
         module.reset_parameters()
 
 
+def _proc_status() -> dict[str, int]:
+    """This process's resident memory (bytes): now, its peak, of it file pages."""
+    found: dict[str, int] = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssFile"):
+                found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def _timeline_marker(
+    tracker: Any, base: int, rows: list[str], highest: list[int]
+) -> Any:
+    """A function that closes the phase ending now and opens the next.
+
+    Each call appends a Markdown row to ``rows``: the phase's name, the peak
+    RSS within it and the RSS at its end (above ``base``), the file pages
+    among them, the tracker's live bytes and their parts (MiB). Linux only: the
+    peak is reset through ``/proc/self/clear_refs`` at each call, which resets
+    ``ru_maxrss`` too, so ``highest[0]`` keeps the highest peak seen.
+    """
+
+    def mark(phase: str) -> None:
+        now = _proc_status()
+        highest[0] = max(highest[0], now["VmHWM"])
+        parts: dict[str, float] = {}
+        for device in tracker.get_tracker_snapshot("current").values():
+            for part, size in device.items():
+                name = str(getattr(part, "value", part))  # torch's enum's name
+                parts[name] = parts.get(name, 0.0) + size / MiB
+        total = parts.pop("Total", 0.0)
+        named = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if v >= 0.05)
+        rows.append(
+            f"| {phase} | {(now['VmHWM'] - base) / MiB:.1f} | "
+            f"{(now['VmRSS'] - base) / MiB:.1f} | {now['RssFile'] / MiB:.1f} | "
+            f"{total:.1f} | {named} |"
+        )
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to VmRSS
+
+    return mark
+
+
 def _real(
     ctx: DistributedContext, layout: str, args: argparse.Namespace, llama: bool
-) -> dict[str, int]:
+) -> dict[str, Any]:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _proc_status()["VmRSS"] if args.timeline else 0
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if llama:
@@ -219,12 +272,32 @@ def _real(
 
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs(inputs)
+    rows: list[str] = []
+    highest = [0]
+    mark = _timeline_marker(tracker, base, rows, highest) if args.timeline else None
+    at = ["built, wrapped, before the first step"]
+
+    def loss_fn() -> torch.Tensor:
+        loss = output_loss(_forward(model, batch))
+        if mark is not None:
+            mark(f"{at[0]}: forward")
+        return loss
+
+    if mark is not None:
+        mark(at[0])
+        opt.register_step_pre_hook(lambda *_: mark(f"{at[0]}: backward"))
+        opt.register_step_post_hook(lambda *_: mark(f"{at[0]}: optimizer step"))
     grad = GradState(accumulation_steps=args.accumulation)
     with tracker:
         for _ in range(2 * args.accumulation):
-            _, grad = accumulate_step(
-                ctx, grad, model, opt, lambda: output_loss(_forward(model, batch))
+            at[0] = (
+                f"window {grad.optimizer_steps + 1}, micro-step {grad.micro_step + 1}"
             )
+            step_before = grad.optimizer_steps
+            _, grad = accumulate_step(ctx, grad, model, opt, loss_fn)
+            if mark is not None:
+                stepped = grad.optimizer_steps > step_before
+                mark(f"{at[0]}: {'zero_grad' if stepped else 'backward'}")
             tracker.reset_mod_stats()  # one forward's module stats; the peak stays
     peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
     params = list(model.parameters())
@@ -237,7 +310,9 @@ def _real(
         if isinstance(v, torch.Tensor)
     )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"held": held, "peak": int(peak), "rss": rss}
+    if args.timeline:  # the marks reset ru_maxrss; the RSS before was VmRSS
+        rss = highest[0] - base
+    return {"held": held, "peak": int(peak), "rss": rss, "timeline": rows}
 
 
 def _estimate(
@@ -263,7 +338,7 @@ def _estimate(
     return {"held": rank.model_state, "peak": rank.peak}
 
 
-def _row(name: str, est: dict[str, int], real: dict[str, int]) -> str:
+def _row(name: str, est: dict[str, int], real: dict[str, Any]) -> str:
     def gap(a: int, b: int) -> str:
         return f"{100 * (a - b) / b:.2f}"
 
@@ -273,6 +348,16 @@ def _row(name: str, est: dict[str, int], real: dict[str, int]) -> str:
         f"{real['peak'] / MiB:.3f} | {gap(est['peak'], real['peak'])} | "
         f"{real['rss'] / MiB:.3f} | {gap(est['peak'], real['rss'])} |"
     )
+
+
+def _print_timeline(name: str, rows: list[str]) -> None:
+    print(f"\n{name}, rank 0, MiB above its RSS before the model was built:\n")
+    print(
+        "| phase (ended) | peak RSS in it | RSS at its end | file pages "
+        "(total) | tracker | tracker's parts |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    print("\n".join(rows), end="\n\n", flush=True)
 
 
 def _bars() -> dict[str, list[float]]:
@@ -335,6 +420,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--png", default=None, help="write the bar chart here")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each real run's rank 0 phase by phase (RSS and the tracker)",
+    )
     parser.add_argument(
         "--chart-from",
         nargs="+",
@@ -405,6 +495,8 @@ def main() -> None:
         )[0]  # fmt: skip
         name = f"{'tiny llama, ' if llama else ''}{layout}, {world} ranks"
         print(_row(name, est, real), flush=True)
+        if args.timeline:
+            _print_timeline(name, real["timeline"])
         labels.append(name)
         for bar, value in zip(
             bars.values(), (est["peak"], real["peak"], real["rss"]), strict=True
