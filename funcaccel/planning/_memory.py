@@ -32,20 +32,13 @@ from funcaccel._checks import check_int
 from funcaccel._checks import check_type
 from funcaccel._checks import fail_type
 from funcaccel._checks import fail_value
-from funcaccel._tree import tree_map
 from funcaccel._typing import MixedPrecision
-from funcaccel.accumulate import accumulate_step
-from funcaccel.context import DistributedContext
-from funcaccel.flops import output_loss
 from funcaccel.grad_state import GradState
 from funcaccel.kwargs import DistributedDataParallelKwargs
-from funcaccel.mesh import ParallelMesh
 from funcaccel.mesh import build_mesh
 from funcaccel.model import FSDPOptions
 from funcaccel.model import Pipeline
 from funcaccel.model import PipelineOptions
-from funcaccel.model import apply_activation_checkpointing
-from funcaccel.model import wrap_model
 from funcaccel.planning._counting import DEVICE_KINDS
 from funcaccel.planning._counting import build_tracker
 from funcaccel.planning._counting import device_rounding
@@ -57,10 +50,12 @@ from funcaccel.planning._estimate import MemoryEstimate
 from funcaccel.planning._estimate import RankMemory
 from funcaccel.planning._fake_world import fake_tensor_mode
 from funcaccel.planning._fake_world import fake_world_ctx
-from funcaccel.planning._pipeline_memory import StepFn
 from funcaccel.planning._pipeline_memory import check_pipeline_arguments
 from funcaccel.planning._pipeline_memory import cut_and_step
 from funcaccel.planning._pipeline_memory import pipeline_strategy
+from funcaccel.planning._steps import accumulate_step_fn
+from funcaccel.planning._steps import fake_batch
+from funcaccel.planning._steps import no_init
 
 __all__ = ["estimate_memory", "plan_strategy"]
 
@@ -88,30 +83,6 @@ def plan_strategy(
         return "tp"
     base = "replicate" if fsdp is None else "hsdp" if dp_replicate > 1 else "fsdp"
     return base + ("+tp" if tp > 1 else "")
-
-
-def _no_init(module: nn.Module) -> None:
-    del module  # fake tensors: their values do not matter, only their sizes
-
-
-def _fake_batch(mode: Any, batch: object) -> object:
-    def fake(x: object) -> object:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.is_meta:
-            with mode:
-                return torch.empty(x.shape, dtype=x.dtype, device="cpu")
-        return mode.from_tensor(x)
-
-    return tree_map(fake, batch)
-
-
-def _call(model: nn.Module, batch: object) -> object:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, tuple | list):
-        return model(*batch)
-    return model(batch)
 
 
 def _check_arguments(
@@ -358,26 +329,31 @@ def _estimate_rank(
                 model = plan.model_fn()
             if not isinstance(model, nn.Module):
                 fail_type(_CALLER, "model_fn()", model, "an nn.Module")
-            fake = _fake_batch(mode, plan.batch)
+            fake = fake_batch(mode, plan.batch)
+            wrap_kwargs = {
+                "mesh": mesh,
+                "fsdp": fsdp,
+                "tp_plan": plan.tp_plan,
+                "init_fn": no_init,
+                **plan.wrap_options,
+            }
             wrapped: nn.Module
             if pp > 1:
                 assert plan.pipeline is not None
                 wrapped, tracked, step = cut_and_step(
+                    ctx, model, fake, plan.pipeline, wrap_kwargs, plan.loss_fn
+                )
+            else:
+                wrap_kwargs["ddp_kwargs"] = plan.ddp_kwargs
+                wrapped, step = accumulate_step_fn(
                     ctx,
                     model,
                     fake,
-                    plan.pipeline,
-                    {
-                        "mesh": mesh,
-                        "fsdp": fsdp,
-                        "tp_plan": plan.tp_plan,
-                        "init_fn": _no_init,
-                        **plan.wrap_options,
-                    },
-                    plan.loss_fn,
+                    wrap_kwargs,
+                    whole=whole,
+                    mixed_precision=plan.mixed_precision,
+                    loss_fn=plan.loss_fn,
                 )
-            else:
-                wrapped, step = _step_fn(ctx, model, mesh, fake, plan, whole)
                 tracked = wrapped
             optimizer = plan.optimizer_fn(list(wrapped.parameters()))
             with device_rounding(plan.device):  # the tracker counts storages from here
@@ -409,48 +385,3 @@ def _estimate_rank(
         peak_parts=tuple(parts.items()),
     )
     return memory, shape, strategy, uneven
-
-
-def _step_fn(
-    ctx: DistributedContext,
-    model: nn.Module,
-    mesh: ParallelMesh | None,
-    fake: object,
-    plan: _Plan,
-    whole: bool,
-) -> tuple[nn.Module, StepFn]:
-    """Wrap ``model`` as the run does; one ``accumulate_step`` on ``fake``."""
-    step_ctx = ctx
-    if whole:
-        # Each DDP rank holds the whole model; its step is one process's.
-        # wrap_model would only move it (fake tensors cannot be moved in
-        # place) and checkpoint its blocks, which is done here.
-        step_ctx = DistributedContext(mixed_precision=plan.mixed_precision)
-        wrapped = model
-        checkpointing = plan.wrap_options.get("activation_checkpointing")
-        if checkpointing is not None:
-            apply_activation_checkpointing(wrapped, checkpointing)
-    else:
-        options = {"init_fn": _no_init, **plan.wrap_options}
-        wrapped = wrap_model(
-            ctx,
-            model,
-            plan.ddp_kwargs,
-            fsdp=plan.fsdp,
-            mesh=mesh,
-            tp_plan=plan.tp_plan,
-            **options,
-        )
-    compute_loss = plan.loss_fn or output_loss
-
-    def step(grad: GradState, optimizer: torch.optim.Optimizer) -> GradState:
-        _, grad = accumulate_step(
-            step_ctx,
-            grad,
-            wrapped,
-            optimizer,
-            lambda: compute_loss(_call(wrapped, fake)),
-        )
-        return grad
-
-    return wrapped, step

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 from typing import Final
-from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -41,9 +40,9 @@ from funcaccel.model import Pipeline
 from funcaccel.model import PipelineOptions
 from funcaccel.model import wrap_model
 from funcaccel.pipeline import pipeline_step
+from funcaccel.planning._steps import StepFn
 
 __all__ = [
-    "StepFn",
     "answer_peers_",
     "check_pipeline_arguments",
     "check_schedule",
@@ -52,8 +51,6 @@ __all__ = [
     "unit_output_metas",
 ]
 
-StepFn: TypeAlias = Callable[[GradState, torch.optim.Optimizer], GradState]
-"""One training step of a plan: the accumulation state in, the next one out."""
 
 _CALLER: Final = "estimate_memory"
 # What answer_peers_ replaces on each torch PipelineStage (torch's own names).
