@@ -150,6 +150,31 @@ def test_fsdp_inside_stages_at_64_ranks_holds_the_closed_form_per_stage() -> Non
         assert dict(rank.peak_parts)["parameters (gathered)"] == BLOCK * F32
 
 
+# RowwiseParallel hands on its local output as a view; torch warns that an
+# in-place op on it would skip FSDP2's hook. The model does none.
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+def test_tp_and_fsdp_inside_stages_split_each_stage_by_the_plan() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    plan = {
+        f"{b}.{i}": style
+        for b in range(4)
+        for i, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))
+    }
+    estimate = estimate_memory(
+        _chain, (torch.zeros(8, WIDTH), torch.zeros(8, WIDTH)), world_size=8, pp=2,
+        tp=2, tp_plan=plan, fsdp=FSDPOptions(), optimizer_fn=_adamw, device="cpu",
+        pipeline=PipelineOptions(microbatches=2),
+    )  # fmt: skip
+    assert estimate.strategy == "pp+fsdp+tp" and estimate.mesh == (2, 1, 2, 2)
+    # Per block: tp halves up (rows, bias) and down's weight (columns), down's
+    # bias is replicated; then dp_shard=2 halves every tensor. Two blocks a stage.
+    per_block = (BLOCK - WIDTH) // 2 + WIDTH
+    for rank in estimate.ranks:
+        assert rank.parameters == 2 * per_block // 2 * F32
+
+
 def test_uneven_stage_shards_report_each_stages_last_rank() -> None:
     # Two units, one per stage; 64 and 1024 rows over 3 shards are uneven.
     estimate = estimate_memory(
