@@ -215,6 +215,7 @@ def test_gpipe_holds_more_activations_than_1f1b() -> None:
         ({"pipeline": PipelineOptions(microbatches=2)}, ValueError, r"estimate_memory: pp must be > 1 with pipeline=.*; got 1\."),
         ({"pp": 2, "pipeline": "1f1b"}, TypeError, r"estimate_memory: pipeline must be"),
         ({"pp": 2, "pipeline": PipelineOptions(microbatches=2), "batch": torch.zeros(4, WIDTH)}, ValueError, r"estimate_memory: batch must be \(inputs, targets\)"),
+        ({"pp": 2, "pipeline": PipelineOptions(microbatches=3)}, ValueError, r"estimate_memory: the batch's first dimensions \(inputs, targets\) must be positive multiples of pipeline.microbatches \(3\); got \(4, 4\)"),
         ({"pp": 2, "pipeline": PipelineOptions(microbatches=2), "mixed_precision": "bf16"}, ValueError, r"estimate_memory: mixed_precision must be 'no' with pipeline=.*; got 'bf16'"),
         ({"pp": 4, "world_size": 6, "pipeline": PipelineOptions(microbatches=2)}, ValueError, r"build_mesh: pp \* dp_replicate \* dp_shard \* tp must be the world size \(6\); got 4"),
     ],

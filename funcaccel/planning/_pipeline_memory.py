@@ -95,8 +95,9 @@ def check_pipeline_arguments(
     Raises:
         TypeError: ``pipeline`` is not a ``PipelineOptions``.
         ValueError: ``pp > 1`` without ``pipeline`` or the reverse, a batch
-            that is not ``(inputs, targets)``, mixed precision, or a torch
-            whose stages cannot be answered here (``check_schedule``).
+            that is not ``(inputs, targets)`` of ``microbatches`` equal parts,
+            mixed precision, or a torch whose stages cannot be answered here
+            (``check_schedule``).
     """
     if pipeline is None:
         if pp > 1:
@@ -128,6 +129,16 @@ def check_pipeline_arguments(
             "(inputs, targets) with pipeline=, as pipeline_step takes it",
             "Pass one pipeline step's batch of one data-parallel rank, e.g. "
             "(torch.zeros(32, 1024), torch.zeros(32)).",
+        )
+    rows = [t.shape[0] if t.dim() else 0 for t in parts]
+    n = pipeline.microbatches
+    if any(r == 0 or r % n for r in rows):
+        fail_value(
+            _CALLER,
+            "the batch's first dimensions (inputs, targets)",
+            tuple(rows),
+            f"positive multiples of pipeline.microbatches ({n})",
+            f"Pass {n} micro-batches' rows, e.g. {n * 8}, or change microbatches.",
         )
     if mixed_precision != "no":
         fail_value(
