@@ -22,6 +22,7 @@ from funcaccel import build_mesh
 from funcaccel import pipeline_step
 from funcaccel import wrap_model
 from funcaccel.context import DistributedContext
+from funcaccel.kwargs import DistributedDataParallelKwargs
 from funcaccel.model import FSDPOptions
 from funcaccel.model import Pipeline
 from funcaccel.model import PipelineOptions
@@ -217,6 +218,7 @@ def test_gpipe_holds_more_activations_than_1f1b() -> None:
         ({"pp": 2, "pipeline": PipelineOptions(microbatches=2), "batch": torch.zeros(4, WIDTH)}, ValueError, r"estimate_memory: batch must be \(inputs, targets\)"),
         ({"pp": 2, "pipeline": PipelineOptions(microbatches=3)}, ValueError, r"estimate_memory: the batch's first dimensions \(inputs, targets\) must be positive multiples of pipeline.microbatches \(3\); got \(4, 4\)"),
         ({"pp": 2, "pipeline": PipelineOptions(microbatches=2), "mixed_precision": "bf16"}, ValueError, r"estimate_memory: mixed_precision must be 'no' with pipeline=.*; got 'bf16'"),
+        ({"pp": 2, "pipeline": PipelineOptions(microbatches=2), "ddp_kwargs": DistributedDataParallelKwargs()}, ValueError, r"wrap_model: ddp_kwargs"),
         ({"pp": 4, "world_size": 6, "pipeline": PipelineOptions(microbatches=2)}, ValueError, r"build_mesh: pp \* dp_replicate \* dp_shard \* tp must be the world size \(6\); got 4"),
     ],
 )  # fmt: skip

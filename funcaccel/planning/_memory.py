@@ -335,6 +335,7 @@ def _estimate_rank(
                 "fsdp": fsdp,
                 "tp_plan": plan.tp_plan,
                 "init_fn": no_init,
+                "ddp_kwargs": plan.ddp_kwargs,  # refused with a pipeline, as in the run
                 **plan.wrap_options,
             }
             wrapped: nn.Module
@@ -344,7 +345,6 @@ def _estimate_rank(
                     ctx, model, fake, plan.pipeline, wrap_kwargs, plan.loss_fn
                 )
             else:
-                wrap_kwargs["ddp_kwargs"] = plan.ddp_kwargs
                 wrapped, step = accumulate_step_fn(
                     ctx,
                     model,
