@@ -291,3 +291,34 @@ def test_estimate_memory_of_one_process_counts_the_whole_model_and_adam() -> Non
         2 * params + 4 * len(tensors),
     )
     assert rank.peak > 4 * params
+
+
+@pytest.mark.parametrize(
+    ("bucket_view", "accumulation", "buckets"),
+    [(False, 1, True), (False, 2, True), (True, 1, False), (True, 2, True)],
+)
+def test_ddp_adds_one_set_of_gradient_buckets_to_one_process_peak(
+    bucket_view: bool, accumulation: int, buckets: bool
+) -> None:
+    # A DDP rank runs one process's step plus the reducer's buckets, one flat
+    # copy of the gradients; with gradient_as_bucket_view the gradients are
+    # the buckets' views, except beside them in a no-sync micro-step.
+    from funcaccel.kwargs import DistributedDataParallelKwargs
+
+    common: dict[str, Any] = {
+        "optimizer_fn": _adamw,
+        "accumulation_steps": accumulation,
+        "device": "cpu",
+    }
+    one = estimate_memory(_mlp, BATCH, world_size=1, **common)
+    ddp = estimate_memory(
+        _mlp,
+        BATCH,
+        world_size=2,
+        ddp_kwargs=DistributedDataParallelKwargs(gradient_as_bucket_view=bucket_view),
+        **common,
+    )
+    (rank,) = ddp.ranks
+    expected = rank.gradients if buckets else 0
+    assert dict(rank.peak_parts)["DDP gradient buckets"] == expected
+    assert rank.peak == one.peak + expected

@@ -11,9 +11,9 @@ model gets storage: a 7B-parameter model at 1,024 ranks needs a few hundred MiB.
 
 DDP cannot hold fake parameters (its reducer allocates in C++), so a DDP plan
 runs the step on the unwrapped model, which is what each DDP rank holds, and
-adds DDP's gradient buckets (one flat copy of the gradients, none with
-``gradient_as_bucket_view=True``), held all along, and a temporary of the
-gradients' size that a real DDP step on gloo was measured to hold at its peak.
+adds DDP's gradient buckets, held all along: one flat copy of the gradients,
+none with ``gradient_as_bucket_view=True`` and ``accumulation_steps=1`` (the
+gradients are then the buckets' views).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ __all__ = ["estimate_memory", "plan_strategy"]
 _CALLER: Final = "estimate_memory"
 _STEPS: Final = 2  # the second step has the optimizer's state from the first
 _DDP_BUCKETS: Final = "DDP gradient buckets"
-_DDP_COPY: Final = "DDP gradient temporaries"
 
 
 def plan_strategy(
@@ -371,10 +370,12 @@ def _estimate_rank(
             uneven = is_uneven(wrapped)
         if strategy == "ddp":
             kwargs = plan.ddp_kwargs or DistributedDataParallelKwargs()
-            parts[_DDP_BUCKETS] = 0 if kwargs.gradient_as_bucket_view else gradients
-            # Measured on gloo: a temporary of the gradients' full size at the
-            # peak, besides the buckets (whatever bucket_cap_mb).
-            parts[_DDP_COPY] = gradients
+            # DDP's buckets are one flat copy of the gradients. With
+            # gradient_as_bucket_view the gradients are their views, except in a
+            # no-sync micro-step: after zero_grad(set_to_none=True) autograd
+            # allocates fresh gradients there, beside the buckets.
+            views = kwargs.gradient_as_bucket_view and plan.accumulation_steps == 1
+            parts[_DDP_BUCKETS] = 0 if views else gradients
     memory = RankMemory(
         rank=rank,
         stages=wrapped.stage_indices if isinstance(wrapped, Pipeline) else (),
