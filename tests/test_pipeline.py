@@ -113,8 +113,10 @@ def _reference(
         for x, t in window:  # rank 0's shown loss per step
             x0, t0 = x[:PER_RANK], t[:PER_RANK]
             with torch.no_grad():
-                if tokens:
-                    losses.append(float(_summed_loss(model(x0), t0) / t0[:, 2].sum()))
+                if tokens:  # a step without items shows its summed loss (0)
+                    items = float(t0[:, 2].sum())
+                    summed = float(_summed_loss(model(x0), t0))
+                    losses.append(summed / items if items else summed)
                 else:
                     losses.append(float(_mean_loss(model(x0), t0)))
         torch.autograd.backward(loss)
@@ -296,6 +298,9 @@ def _refuse_uneven_counts(ctx: DistributedContext) -> None:
         )  # fmt: skip
 
 
+INTERLEAVED: Final = PipelineOptions(
+    microbatches=MICRO, schedule="interleaved_1f1b", stages_per_rank=2
+)
 SCHEDULES_2: Final = [
     ("gpipe", 1),
     ("1f1b", 1),
@@ -352,11 +357,27 @@ def test_pp2_with_fsdp_and_with_tp_at_4_ranks_equals_the_reference() -> None:
         Run({"pp": 2, "dp_shard": 1, "tp": 2}, one, tp_plan=plan),
         # Replication inside each stage (fsdp=None, dp_replicate=2).
         Run({"pp": 2, "dp_replicate": 2, "dp_shard": 1}, one, True, True),
+        # Two stages per rank of an interleaved schedule, each FSDP2-sharded.
+        Run({"pp": 2, "dp_shard": 2}, INTERLEAVED, True, True, FSDPOptions(), clip=0.5),
     ]
     per_rank = run_ranks(_runs, 4, runs, timeout_s=TIMEOUT, start_method="forkserver")
     for i, run in enumerate(runs):
         dp_size = run.sizes["dp_shard"] * run.sizes.get("dp_replicate", 1)
         _check([per_rank[r][i] for r in range(4)], dp_size, run.tokens, run.clip)
+
+
+@pytest.mark.distributed
+def test_pp2_with_hsdp_2x2_inside_each_stage_at_8_ranks_equals_the_reference() -> None:
+    # HSDP in each stage needs pp x dp_replicate x dp_shard = 2 x 2 x 2 ranks.
+    one = PipelineOptions(microbatches=MICRO, schedule="1f1b")
+    sizes = {"pp": 2, "dp_replicate": 2, "dp_shard": 2}
+    runs = [
+        Run(sizes, one, meta=True, fsdp=FSDPOptions()),
+        Run(sizes, INTERLEAVED, True, True, FSDPOptions(), clip=0.5),
+    ]
+    per_rank = run_ranks(_runs, 8, runs, timeout_s=TIMEOUT, start_method="forkserver")
+    for i, run in enumerate(runs):
+        _check([per_rank[r][i] for r in range(8)], 4, run.tokens, run.clip)
 
 
 def test_pipeline_options_refuse_bad_values() -> None:
