@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,15 @@ from funcaccel import testing
 from funcaccel.context import DistributedContext
 from funcaccel.testing import ContextFields
 
-__all__ = ["Indexed", "SizedStream", "Stream", "TpMLP", "rank_ctx"]
+__all__ = [
+    "Indexed",
+    "SizedStream",
+    "Stream",
+    "TpMLP",
+    "adamw",
+    "mlp_blocks",
+    "rank_ctx",
+]
 
 
 def rank_ctx(
@@ -108,3 +117,20 @@ def wait_for(flag: Path, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def mlp_blocks(blocks: int, width: int) -> nn.Sequential:
+    """``blocks`` blocks of ``width -> 2 * width -> width`` (Linear, ReLU, Linear)."""
+    return nn.Sequential(
+        *(
+            nn.Sequential(
+                nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width)
+            )
+            for _ in range(blocks)
+        )
+    )
+
+
+def adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW at lr 1e-3: the optimizer of the memory-estimate tests."""
+    return torch.optim.AdamW(params, lr=1e-3)

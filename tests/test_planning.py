@@ -10,7 +10,6 @@ The closed form: a float32 parameter of n elements sharded over s ranks is
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -22,23 +21,14 @@ from funcaccel.model import FSDPOptions
 from funcaccel.planning import MemoryEstimate
 from funcaccel.planning import RankMemory
 from funcaccel.planning import estimate_memory
+from tests.fixtures import adamw
+from tests.fixtures import mlp_blocks
 
 F32 = 4
 
 
 def _mlp(blocks: int = 2, width: int = 64) -> nn.Sequential:
-    return nn.Sequential(
-        *(
-            nn.Sequential(
-                nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width)
-            )
-            for _ in range(blocks)
-        )
-    )
-
-
-def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
+    return mlp_blocks(blocks, width)
 
 
 BATCH = torch.zeros(8, 64)
@@ -67,7 +57,7 @@ def _held(estimate: MemoryEstimate) -> list[tuple[int, int, int]]:
     ],
 )
 def test_held_parts_equal_the_closed_form(sizes: dict[str, Any], shards: int) -> None:
-    estimate = estimate_memory(_mlp, BATCH, optimizer_fn=_adamw, **sizes)
+    estimate = estimate_memory(_mlp, BATCH, optimizer_fn=adamw, **sizes)
     elements = 2 * (UP + UP_B + DOWN + DOWN_B)
     assert _held(estimate) == [_closed_form(elements // shards, 8)]
 
@@ -85,7 +75,7 @@ def test_fsdp_times_tp_shards_by_the_plan_then_over_dp_shard() -> None:
         for i, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))
     }
     estimate = estimate_memory(
-        _mlp, BATCH, optimizer_fn=_adamw, world_size=8, dp_shard=4, tp=2,
+        _mlp, BATCH, optimizer_fn=adamw, world_size=8, dp_shard=4, tp=2,
         tp_plan=plan, fsdp=FSDPOptions(),
     )  # fmt: skip
     assert estimate.strategy == "fsdp+tp" and estimate.mesh == (1, 1, 4, 2)
@@ -97,7 +87,7 @@ def test_fsdp_times_tp_shards_by_the_plan_then_over_dp_shard() -> None:
 
 def test_uneven_shards_report_the_last_rank_separately() -> None:
     estimate = estimate_memory(
-        lambda: nn.Linear(4, 1024), torch.zeros(2, 4), optimizer_fn=_adamw,
+        lambda: nn.Linear(4, 1024), torch.zeros(2, 4), optimizer_fn=adamw,
         world_size=6, fsdp=FSDPOptions(),
     )  # fmt: skip
     first, last = estimate.ranks
@@ -109,24 +99,24 @@ def test_uneven_shards_report_the_last_rank_separately() -> None:
 
 def test_peak_parts_add_up_and_grow_with_accumulation_and_batch() -> None:
     fsdp = FSDPOptions(shard_modules=(nn.Sequential,))
-    one = estimate_memory(_mlp, BATCH, optimizer_fn=_adamw, world_size=4, fsdp=fsdp)
+    one = estimate_memory(_mlp, BATCH, optimizer_fn=adamw, world_size=4, fsdp=fsdp)
     (rank,) = one.ranks
     parts = dict(rank.peak_parts)
     assert sum(parts.values()) == rank.peak
     assert parts["optimizer state"] == rank.optimizer_state  # held at the peak
     assert rank.peak > rank.model_state
     bigger = estimate_memory(
-        _mlp, torch.zeros(512, 64), optimizer_fn=_adamw, world_size=4, fsdp=fsdp
+        _mlp, torch.zeros(512, 64), optimizer_fn=adamw, world_size=4, fsdp=fsdp
     )
     assert dict(bigger.ranks[0].peak_parts)["activations"] > parts["activations"]
     # Accumulation under FSDP2 keeps unsharded gradients between micro-batches.
     two = estimate_memory(
-        _mlp, BATCH, optimizer_fn=_adamw, world_size=4, fsdp=fsdp, accumulation_steps=2
+        _mlp, BATCH, optimizer_fn=adamw, world_size=4, fsdp=fsdp, accumulation_steps=2
     )
     assert two.peak > one.peak
     # bf16 autocast (the context's mixed_precision): half-size activations.
     bf16 = estimate_memory(
-        _mlp, torch.zeros(512, 64), optimizer_fn=_adamw, world_size=4, fsdp=fsdp,
+        _mlp, torch.zeros(512, 64), optimizer_fn=adamw, world_size=4, fsdp=fsdp,
         mixed_precision="bf16",
     )  # fmt: skip
     acts = dict(bf16.ranks[0].peak_parts)["activations"]
@@ -147,7 +137,7 @@ def test_estimate_memory_refuses_an_existing_group_and_leaves_none() -> None:
             RuntimeError,
             match=r"estimate_memory: a default process group is already initialised .*world_size=2",
         ):
-            estimate_memory(_mlp, BATCH, optimizer_fn=_adamw, world_size=8)
+            estimate_memory(_mlp, BATCH, optimizer_fn=adamw, world_size=8)
     finally:
         dist.destroy_process_group()
 
@@ -156,7 +146,7 @@ def test_estimate_memory_refuses_an_existing_group_and_leaves_none() -> None:
 
     hook = sys.excepthook
     with pytest.raises(KeyError):
-        estimate_memory(broken, BATCH, optimizer_fn=_adamw, world_size=8)
+        estimate_memory(broken, BATCH, optimizer_fn=adamw, world_size=8)
     assert not dist.is_initialized()
     assert sys.excepthook is hook  # torch's rank-prefixing hook is taken back
 
@@ -194,7 +184,7 @@ def test_estimate_memory_refuses_an_existing_group_and_leaves_none() -> None:
 def test_estimate_memory_refuses_bad_arguments(
     kwargs: dict[str, Any], error: type[Exception], match: str
 ) -> None:
-    arguments: dict[str, Any] = {"optimizer_fn": _adamw, **kwargs}
+    arguments: dict[str, Any] = {"optimizer_fn": adamw, **kwargs}
     with pytest.raises(error, match=match):
         estimate_memory(_mlp, BATCH, **arguments)
     assert not dist.is_initialized()
@@ -207,13 +197,13 @@ def test_a_tp_plan_naming_a_missing_module_is_wrap_models_error() -> None:
         ValueError, match=r"wrap_model: every tp_plan key must be .*got 'attn'"
     ):
         estimate_memory(
-            _mlp, BATCH, optimizer_fn=_adamw, world_size=4, tp=2, dp_shard=2,
+            _mlp, BATCH, optimizer_fn=adamw, world_size=4, tp=2, dp_shard=2,
             fsdp=FSDPOptions(), tp_plan={"attn": ColwiseParallel()},
         )  # fmt: skip
     with pytest.raises(
         TypeError, match=r"estimate_memory: model_fn must be a function"
     ):
-        estimate_memory(_mlp(), BATCH, optimizer_fn=_adamw, world_size=2)
+        estimate_memory(_mlp(), BATCH, optimizer_fn=adamw, world_size=2)
 
 
 def test_memory_values_check_their_fields() -> None:
@@ -259,7 +249,7 @@ def test_wrap_model_options_pass_through_activation_checkpointing() -> None:
         {"world_size": 1},
     ]
     for layout in layouts:
-        kwargs: dict[str, Any] = {"optimizer_fn": _adamw, **layout}
+        kwargs: dict[str, Any] = {"optimizer_fn": adamw, **layout}
         plain = estimate_memory(build, torch.zeros(512, 64), **kwargs)
         checkpointed = estimate_memory(
             build,
@@ -279,7 +269,7 @@ def test_wrap_model_options_pass_through_activation_checkpointing() -> None:
 def test_estimate_memory_of_one_process_counts_the_whole_model_and_adam() -> None:
     # World 1: no wrapping; the whole model, its gradients and AdamW's two
     # moments are held (the model cannot be built on meta there and swapped).
-    estimate = estimate_memory(_mlp, BATCH, world_size=1, optimizer_fn=_adamw)
+    estimate = estimate_memory(_mlp, BATCH, world_size=1, optimizer_fn=adamw)
     (rank,) = estimate.ranks
     tensors = list(_mlp().parameters())
     params = sum(p.numel() * p.element_size() for p in tensors)
@@ -306,7 +296,7 @@ def test_ddp_adds_one_set_of_gradient_buckets_to_one_process_peak(
     from funcaccel.kwargs import DistributedDataParallelKwargs
 
     common: dict[str, Any] = {
-        "optimizer_fn": _adamw,
+        "optimizer_fn": adamw,
         "accumulation_steps": accumulation,
         "device": "cpu",
     }

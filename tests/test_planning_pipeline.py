@@ -31,6 +31,8 @@ from funcaccel.planning._counting import build_tracker
 from funcaccel.planning._counting import peak_parts
 from funcaccel.planning._counting import tracking_repeated_calls
 from funcaccel.testing import run_ranks
+from tests.fixtures import adamw
+from tests.fixtures import mlp_blocks
 
 F32: Final = 4
 WIDTH: Final = 64
@@ -40,18 +42,7 @@ MICRO: Final = 4
 
 
 def _chain(blocks: int = 4) -> nn.Sequential:
-    return nn.Sequential(
-        *(
-            nn.Sequential(
-                nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH)
-            )
-            for _ in range(blocks)
-        )
-    )
-
-
-def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
+    return mlp_blocks(blocks, WIDTH)
 
 
 def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,7 +69,7 @@ def _real_stage_memory(ctx: DistributedContext, schedule: str) -> dict[str, Any]
     options = PipelineOptions(microbatches=MICRO, schedule=schedule)
     pipe = wrap_model(ctx, _chain(), mesh=mesh, pipeline=options)
     assert isinstance(pipe, Pipeline)
-    optimizer = _adamw(pipe.parameters())
+    optimizer = adamw(pipe.parameters())
     batch = _batch()
     pipeline_step(ctx, GradState(accumulation_steps=2), pipe, optimizer, batch, _mse)
     grads = _nbytes(p.grad for p in pipe.parameters() if p.grad is not None)
@@ -108,7 +99,7 @@ def test_each_stage_matches_a_real_two_rank_run() -> None:
         _real_stage_memory, 2, "1f1b", timeout_s=120, start_method="forkserver"
     )
     estimate = estimate_memory(
-        _chain, _batch(), world_size=2, pp=2, optimizer_fn=_adamw, loss_fn=_mse,
+        _chain, _batch(), world_size=2, pp=2, optimizer_fn=adamw, loss_fn=_mse,
         pipeline=PipelineOptions(microbatches=MICRO), device="cpu",
     )  # fmt: skip
     assert estimate.strategy == "pp" and estimate.mesh == (2, 1, 1, 1)
@@ -137,7 +128,7 @@ def test_fsdp_inside_stages_at_64_ranks_holds_the_closed_form_per_stage() -> Non
     # each of its tensors split over the 16 ranks of its stage.
     estimate = estimate_memory(
         _chain, (torch.zeros(8, WIDTH), torch.zeros(8, WIDTH)), world_size=64, pp=4,
-        fsdp=FSDPOptions(), optimizer_fn=_adamw, device="cpu",
+        fsdp=FSDPOptions(), optimizer_fn=adamw, device="cpu",
         pipeline=PipelineOptions(microbatches=4),  # 1F1B: one per stage at least
     )  # fmt: skip
     assert estimate.strategy == "pp+fsdp" and estimate.mesh == (4, 1, 16, 1)
@@ -165,7 +156,7 @@ def test_tp_and_fsdp_inside_stages_split_each_stage_by_the_plan() -> None:
     }
     estimate = estimate_memory(
         _chain, (torch.zeros(8, WIDTH), torch.zeros(8, WIDTH)), world_size=8, pp=2,
-        tp=2, tp_plan=plan, fsdp=FSDPOptions(), optimizer_fn=_adamw, device="cpu",
+        tp=2, tp_plan=plan, fsdp=FSDPOptions(), optimizer_fn=adamw, device="cpu",
         pipeline=PipelineOptions(microbatches=2),
     )  # fmt: skip
     assert estimate.strategy == "pp+fsdp+tp" and estimate.mesh == (2, 1, 2, 2)
@@ -181,7 +172,7 @@ def test_uneven_stage_shards_report_each_stages_last_rank() -> None:
     estimate = estimate_memory(
         lambda: nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 1024)),
         (torch.zeros(4, 4), torch.zeros(4, 1024)), world_size=6, pp=2, dp_shard=3,
-        fsdp=FSDPOptions(), optimizer_fn=_adamw, device="cpu",
+        fsdp=FSDPOptions(), optimizer_fn=adamw, device="cpu",
         pipeline=PipelineOptions(microbatches=2),
     )  # fmt: skip
     assert [(r.rank, r.stages) for r in estimate.ranks] == [
@@ -199,7 +190,7 @@ def test_gpipe_holds_more_activations_than_1f1b() -> None:
     for schedule in ("gpipe", "1f1b"):
         estimate = estimate_memory(
             _chain, (torch.zeros(1024, WIDTH), torch.zeros(1024, WIDTH)),
-            world_size=2, pp=2, optimizer_fn=_adamw, device="cpu",
+            world_size=2, pp=2, optimizer_fn=adamw, device="cpu",
             pipeline=PipelineOptions(microbatches=MICRO, schedule=schedule),
         )  # fmt: skip
         found[schedule] = [dict(r.peak_parts)["activations"] for r in estimate.ranks]
@@ -226,7 +217,7 @@ def test_pipeline_arguments_are_refused_by_name(
     kwargs: dict[str, Any], error: type[Exception], message: str
 ) -> None:
     arguments: dict[str, Any] = {
-        "world_size": 2, "optimizer_fn": _adamw,
+        "world_size": 2, "optimizer_fn": adamw,
         "batch": (torch.zeros(4, WIDTH), torch.zeros(4, WIDTH)), **kwargs,
     }  # fmt: skip
     with pytest.raises(error, match=message):
